@@ -1,0 +1,1 @@
+"""Checkpoint conversion: the resharding engine, HF and megatron-core I/O, and verification."""

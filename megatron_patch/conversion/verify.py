@@ -1,0 +1,113 @@
+"""Numerical check of a converted checkpoint: the HF model and the Megatron model on the same
+fixed prompts, compared on logits (max abs diff), KL divergence and top-1 agreement."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+from megatron_patch import patches
+
+
+def fixed_prompts(vocab_size: int, batch: int = 4, seq: int = 32, seed: int = 1234) -> Tensor:
+    """Deterministic token ids: the same prompts on every machine and rank."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (batch, seq), generator=g)
+
+
+def causal_mask(seq: int) -> Tensor:
+    """megatron-core's boolean mask convention: True = masked out."""
+    return torch.ones(1, 1, seq, seq, dtype=torch.bool).triu(1)
+
+
+def megatron_logits(model, input_ids: Tensor, vocab_size: int) -> Tensor | None:
+    """Full-vocab logits [batch, seq, vocab] from a megatron-core GPTModel at any TP x PP.
+
+    Every rank of the model-parallel group calls this; the result is returned on all ranks."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    device = next(model.parameters()).device
+    ids = input_ids.to(device)
+    b, s = ids.shape
+    pos = torch.arange(s, device=device).unsqueeze(0).expand(b, -1)
+    mask = causal_mask(s).to(device)
+    with torch.no_grad(), patches.applied("cpu_cuda_calls"):
+        if ps.get_pipeline_model_parallel_world_size() == 1:
+            out = model(ids, pos, mask)
+        else:
+            out = _pipeline_forward(model, ids, pos, mask)
+    if out is not None:
+        out = gather_from_tensor_model_parallel_region(out)[..., :vocab_size].float()
+    return _from_last_stage(out, (b, s, vocab_size))
+
+
+def _pipeline_forward(model, ids: Tensor, pos: Tensor, mask: Tensor) -> Tensor | None:
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    captured: list[Tensor] = []
+
+    def forward_step(_data_iterator, m):
+        def loss_func(output):
+            captured.append(output)
+            return output.sum() * 0, {}
+
+        return m(ids, pos, mask), loss_func
+
+    model.config.variable_seq_lengths = False
+    get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter([None]), model=[model],
+        num_microbatches=1, seq_length=ids.shape[1], micro_batch_size=ids.shape[0], forward_only=True,
+    )
+    return captured[0] if ps.is_pipeline_last_stage() else None
+
+
+def _from_last_stage(out: Tensor | None, shape: tuple[int, ...]) -> Tensor:
+    """Send the last pipeline stage's tensor to every rank."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return out
+    src = ps.get_pipeline_model_parallel_last_rank()
+    buf = out.contiguous() if out is not None else torch.empty(shape)
+    buf = buf.to(torch.float32)
+    if dist.get_backend(ps.get_pipeline_model_parallel_group()) == "nccl":
+        buf = buf.cuda()
+    dist.broadcast(buf, src, group=ps.get_pipeline_model_parallel_group())
+    return buf.cpu()
+
+
+def compare(reference: Tensor, candidate: Tensor) -> dict:
+    """max |diff|, mean KL(reference || candidate) per token, top-1 agreement."""
+    ref, cand = reference.double(), candidate.double()
+    kl = F.kl_div(F.log_softmax(cand, -1), F.log_softmax(ref, -1), log_target=True, reduction="none")
+    return {
+        "max_abs_logit_diff": (ref - cand).abs().max().item(),
+        "kl": kl.sum(-1).mean().item(),
+        "top1_agreement": (ref.argmax(-1) == cand.argmax(-1)).double().mean().item(),
+    }
+
+
+def hf_logits(hf_dir: str, input_ids: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype, attn_implementation="eager")
+    with torch.no_grad():
+        return model.eval()(input_ids).logits.float()
+
+
+def verify(hf_dir: str, mcore_dir: str, tp: int = 1, pp: int = 1, dtype: torch.dtype = torch.float32,
+           tolerance: float = 1e-4) -> dict:
+    """Run both models on fixed prompts; returns the metrics plus `ok` (max diff <= tolerance)."""
+    from megatron_patch.conversion.mcore_io import load_megatron_model
+
+    model, hf_config = load_megatron_model(mcore_dir, tp, pp, dtype=dtype)
+    vocab = int(hf_config["vocab_size"])
+    ids = fixed_prompts(vocab)
+    result = compare(hf_logits(hf_dir, ids, dtype), megatron_logits(model, ids, vocab))
+    result.update(tolerance=tolerance, tp=tp, pp=pp, dtype=str(dtype).removeprefix("torch."))
+    result["ok"] = result["max_abs_logit_diff"] <= tolerance
+    return result

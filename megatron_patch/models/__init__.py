@@ -1,0 +1,16 @@
+"""Model families: HF config -> megatron-core GPTModel, layer specs and weight maps."""
+
+from megatron_patch.models.family import (
+    Layout,
+    ModelFamily,
+    UnsupportedConfig,
+    build_model,
+    padded_vocab_size,
+    transformer_config,
+)
+from megatron_patch.models.registry import families, get_family, load_hf_config, register
+
+__all__ = [
+    "Layout", "ModelFamily", "UnsupportedConfig", "build_model", "families", "get_family",
+    "load_hf_config", "padded_vocab_size", "register", "transformer_config",
+]

@@ -1,0 +1,236 @@
+"""ModelFamily: what one HF architecture family contributes, and `build_model`.
+
+A family turns an HF `config.json` into megatron-core's `TransformerConfig` + `GPTModel` kwargs,
+names the layer spec for the `local` and `transformer_engine` implementations, declares the weight
+map, and writes an HF `config.json` back from Megatron's config. Families are declarative: all
+TP/PP arithmetic lives in `megatron_patch.conversion.engine`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+import torch
+
+from megatron_patch.models.mappings import Drop, Mapping, Shapes
+
+Impl = Literal["local", "transformer_engine"]
+IMPLS: tuple[str, ...] = ("local", "transformer_engine")
+
+
+class UnsupportedConfig(ValueError):
+    """The HF config uses a feature this family cannot express in megatron-core."""
+
+
+def cfg_get(hf_config: Any, key: str, default: Any = None) -> Any:
+    """Read a field from a transformers config object or a plain dict."""
+    if isinstance(hf_config, dict):
+        return hf_config.get(key, default)
+    return getattr(hf_config, key, default)
+
+
+def as_dict(hf_config: Any) -> dict:
+    return dict(hf_config) if isinstance(hf_config, dict) else hf_config.to_dict()
+
+
+def rope_parameters(hf_config: Any) -> tuple[float, dict | None]:
+    """(rope_theta, scaling dict or None), from transformers>=5 `rope_parameters` or the older
+    `rope_theta` + `rope_scaling` keys; a scaling of type "default" counts as none."""
+    params = cfg_get(hf_config, "rope_parameters") or {}
+    scaling = dict(cfg_get(hf_config, "rope_scaling") or params)
+    theta = float(params.get("rope_theta", cfg_get(hf_config, "rope_theta", 10000.0)))
+    scaling.pop("rope_theta", None)
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return theta, None
+    return theta, {**scaling, "rope_type": kind}
+
+
+def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
+    """Megatron's rule (`--make-vocab-size-divisible-by` x TP)."""
+    multiple = divisible_by * tp
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A parallel layout plus the vocab padding rule that depends on it."""
+
+    tp: int = 1
+    pp: int = 1
+    make_vocab_size_divisible_by: int = 128
+
+    def check(self, num_layers: int, num_heads: int, num_query_groups: int) -> None:
+        if self.tp < 1 or self.pp < 1:
+            raise ValueError(f"TP and PP must be >= 1 (got TP={self.tp}, PP={self.pp})")
+        if num_heads % self.tp:
+            raise ValueError(f"TP={self.tp} does not divide the {num_heads} attention heads")
+        if num_query_groups % self.tp:
+            raise ValueError(
+                f"TP={self.tp} does not divide the {num_query_groups} kv heads (query groups); "
+                "megatron-core needs num_query_groups % TP == 0"
+            )
+        if num_layers % self.pp:
+            raise ValueError(f"PP={self.pp} does not divide the {num_layers} layers")
+
+
+class ModelFamily:
+    """Base class; a family file subclasses it and registers an instance."""
+
+    name: str = ""
+    architectures: tuple[str, ...] = ()
+
+    # ---- (a) HF config -> megatron-core config -------------------------------------------
+    def config_kwargs(self, hf_config: Any) -> dict:
+        """Architecture fields of `TransformerConfig` (no parallelism or runtime choices)."""
+        raise NotImplementedError
+
+    def gpt_kwargs(self, hf_config: Any) -> dict:
+        """`GPTModel` kwargs other than config/spec/vocab/pre-post process."""
+        raise NotImplementedError
+
+    def shapes(self, hf_config: Any, layout: Layout) -> Shapes:
+        ck = self.config_kwargs(hf_config)
+        vocab = int(cfg_get(hf_config, "vocab_size"))
+        return Shapes(
+            num_heads=ck["num_attention_heads"],
+            num_query_groups=ck.get("num_query_groups") or ck["num_attention_heads"],
+            head_dim=ck.get("kv_channels") or ck["hidden_size"] // ck["num_attention_heads"],
+            vocab_size=vocab,
+            padded_vocab_size=padded_vocab_size(vocab, layout.tp, layout.make_vocab_size_divisible_by),
+        )
+
+    def check_layout(self, hf_config: Any, layout: Layout) -> None:
+        s = self.shapes(hf_config, layout)
+        layout.check(self.config_kwargs(hf_config)["num_layers"], s.num_heads, s.num_query_groups)
+
+    # ---- (b) layer spec ---------------------------------------------------------------------
+    def layer_spec(self, hf_config: Any, impl: Impl):
+        raise NotImplementedError
+
+    # ---- (c) weight map ---------------------------------------------------------------------
+    def weight_map(self, hf_config: Any) -> list[Mapping | Drop]:
+        raise NotImplementedError
+
+    def tied_embeddings(self, hf_config: Any) -> bool:
+        return bool(self.gpt_kwargs(hf_config).get("share_embeddings_and_output_weights", False))
+
+    # ---- (d) Megatron config -> HF config.json ----------------------------------------------
+    def hf_config_from_megatron(self, config: Any, gpt_kwargs: dict, vocab_size: int) -> dict:
+        raise NotImplementedError
+
+
+def runtime_config_kwargs(dtype: torch.dtype = torch.float32) -> dict:
+    """Runtime (non-architecture) TransformerConfig fields.
+
+    Fusions that need CUDA kernels (rope fusion, gradient-accumulation fusion, persistent/fused
+    layer norm, masked-softmax and bias fusions) are switched off when no GPU is present so the same
+    model runs on CPU for verification; weights are initialised on CPU in either case (conversion
+    overwrites them)."""
+    on_gpu = torch.cuda.is_available()
+    return dict(
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu_initialization=True,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=on_gpu,
+        masked_softmax_fusion=on_gpu,
+        bias_activation_fusion=on_gpu,
+        bias_dropout_fusion=on_gpu,
+    )
+
+
+def transformer_config(hf_config: Any, layout: Layout = Layout(), dtype: torch.dtype = torch.float32,
+                       family: ModelFamily | None = None, **overrides):
+    """`TransformerConfig` for `hf_config` at `layout`; `overrides` win over everything."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_patch.models.registry import get_family
+
+    family = family or get_family(hf_config)
+    family.check_layout(hf_config, layout)
+    kwargs = {**family.config_kwargs(hf_config), **runtime_config_kwargs(dtype),
+              "tensor_model_parallel_size": layout.tp, "pipeline_model_parallel_size": layout.pp,
+              **overrides}
+    known = {f.name for f in fields(TransformerConfig)}
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise TypeError(f"unknown TransformerConfig fields: {unknown}")
+    return TransformerConfig(**kwargs)
+
+
+def build_model(hf_config: Any, tp: int = 1, pp: int = 1, impl: Impl = "local",
+                dtype: torch.dtype = torch.float32, make_vocab_size_divisible_by: int = 128,
+                padded_vocab_size: int | None = None, pre_process: bool | None = None,
+                post_process: bool | None = None, **config_overrides):
+    """The megatron-core `GPTModel` for this process's rank of a TP x PP layout.
+
+    Model parallelism must be initialised for TP x PP (`parallel_state.initialize_model_parallel`);
+    for TP=PP=1 with nothing set up, a gloo world of one is created here. The embedding is padded
+    per `make_vocab_size_divisible_by` x TP unless `padded_vocab_size` (e.g. a checkpoint's) is given.
+    `config_overrides` are TransformerConfig fields (e.g. `perform_initialization=False`)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    from megatron_patch.models.registry import get_family
+
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    family = get_family(hf_config)
+    layout = Layout(tp, pp, make_vocab_size_divisible_by)
+    ensure_model_parallel(tp, pp)
+    if ps.get_tensor_model_parallel_world_size() != tp or ps.get_pipeline_model_parallel_world_size() != pp:
+        raise ValueError(
+            f"model parallelism is initialised as TP={ps.get_tensor_model_parallel_world_size()}, "
+            f"PP={ps.get_pipeline_model_parallel_world_size()} but TP={tp}, PP={pp} was asked for"
+        )
+    config = transformer_config(hf_config, layout, dtype, family, **config_overrides)
+    shapes = family.shapes(hf_config, layout)
+    if pre_process is None:
+        pre_process = ps.is_pipeline_first_stage()
+    if post_process is None:
+        post_process = ps.is_pipeline_last_stage()
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=family.layer_spec(hf_config, impl),
+        vocab_size=padded_vocab_size or shapes.padded_vocab_size,
+        max_sequence_length=int(cfg_get(hf_config, "max_position_embeddings", 4096)),
+        pre_process=pre_process,
+        post_process=post_process,
+        **family.gpt_kwargs(hf_config),
+    )
+
+
+def ensure_model_parallel(tp: int, pp: int) -> None:
+    """Initialise a gloo world of one and TP=PP=1 model parallelism when nothing is set up yet
+    (converter and verification tools; training sets up its own world). The RNG tracker is the
+    inference one: these models only run forward passes."""
+    import os
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    if not dist.is_initialized():
+        if tp * pp != 1:
+            raise RuntimeError(f"TP={tp} x PP={pp} needs torch.distributed initialised (torchrun)")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" not in os.environ:
+            os.environ["MASTER_PORT"] = str(_free_port())
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    if not ps.model_parallel_is_initialized():
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        model_parallel_cuda_manual_seed(0, inference_rng_tracker=True, force_reset_rng=True)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

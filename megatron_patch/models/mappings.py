@@ -1,0 +1,175 @@
+"""Declarative weight-map vocabulary shared by every model family.
+
+A family describes its checkpoint as a list of mapping ops, each tying one Megatron parameter
+(canonical `local`-implementation name, `{layer}` standing for the global layer index) to the HF
+tensor(s) it is made of. Each op defines both directions and how its Megatron tensor is split over
+tensor parallelism, so HF -> Megatron -> HF is bitwise identical by construction. The conversion
+engine (`megatron_patch.conversion.engine`) does all layer/stage/rank bookkeeping; ops only see
+whole tensors and the TP size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """Architecture numbers the ops need (derived from the HF config by the family)."""
+
+    num_heads: int
+    num_query_groups: int
+    head_dim: int
+    vocab_size: int
+    padded_vocab_size: int
+
+
+@dataclass(frozen=True)
+class Mapping:
+    """One Megatron parameter <- one or more HF tensors. Subclasses override the four transforms."""
+
+    megatron: str
+    hf: tuple[str, ...]
+
+    def to_megatron(self, hf: list[Tensor], s: Shapes) -> Tensor:
+        """HF tensor(s) -> the unsharded (TP=1) Megatron tensor."""
+        (t,) = hf
+        return t
+
+    def to_hf(self, full: Tensor, s: Shapes) -> list[Tensor]:
+        return [full]
+
+    def shard(self, full: Tensor, tp: int, s: Shapes) -> list[Tensor]:
+        """Unsharded Megatron tensor -> one tensor per TP rank."""
+        return [full] * tp
+
+    def unshard(self, shards: list[Tensor], s: Shapes) -> Tensor:
+        return shards[0]
+
+    def names(self, layer: int | None) -> tuple[str, tuple[str, ...]]:
+        if layer is None:
+            return self.megatron, self.hf
+        return self.megatron.format(layer=layer), tuple(h.format(layer=layer) for h in self.hf)
+
+    @property
+    def per_layer(self) -> bool:
+        return "{layer}" in self.megatron
+
+
+def _one(hf: str | tuple[str, ...]) -> tuple[str, ...]:
+    return (hf,) if isinstance(hf, str) else tuple(hf)
+
+
+class Replicated(Mapping):
+    """Same tensor on every TP rank (norm weights, row-parallel biases)."""
+
+    def __init__(self, hf: str, megatron: str):
+        super().__init__(megatron, _one(hf))
+
+    def unshard(self, shards: list[Tensor], s: Shapes) -> Tensor:
+        for i, t in enumerate(shards[1:], 1):
+            if not torch.equal(t, shards[0]):
+                raise ValueError(f"{self.megatron}: replicated tensor differs between TP rank 0 and {i}")
+        return shards[0]
+
+
+@dataclass(frozen=True, init=False)
+class Split(Mapping):
+    """Split along `dim` over TP: dim 0 for column-parallel weights/biases, dim 1 for row-parallel."""
+
+    dim: int = 0
+
+    def __init__(self, hf: str, megatron: str, dim: int):
+        object.__setattr__(self, "megatron", megatron)
+        object.__setattr__(self, "hf", _one(hf))
+        object.__setattr__(self, "dim", dim)
+
+    def shard(self, full: Tensor, tp: int, s: Shapes) -> list[Tensor]:
+        if full.shape[self.dim] % tp:
+            raise ValueError(f"{self.megatron}: dim {self.dim} of {tuple(full.shape)} not divisible by TP={tp}")
+        return list(torch.chunk(full, tp, dim=self.dim))
+
+    def unshard(self, shards: list[Tensor], s: Shapes) -> Tensor:
+        return torch.cat(shards, dim=self.dim)
+
+
+def ColumnParallel(hf: str, megatron: str) -> Split:
+    return Split(hf, megatron, dim=0)
+
+
+def RowParallel(hf: str, megatron: str) -> Split:
+    return Split(hf, megatron, dim=1)
+
+
+class VocabParallel(Split):
+    """Embedding / output rows: padded to `padded_vocab_size` with zero rows, then split over TP."""
+
+    def __init__(self, hf: str, megatron: str):
+        super().__init__(hf, megatron, dim=0)
+
+    def to_megatron(self, hf: list[Tensor], s: Shapes) -> Tensor:
+        (t,) = hf
+        if t.shape[0] != s.vocab_size:
+            raise ValueError(f"{self.hf[0]}: {t.shape[0]} rows but the config's vocab_size is {s.vocab_size}")
+        pad = s.padded_vocab_size - s.vocab_size
+        return torch.cat([t, t.new_zeros((pad, *t.shape[1:]))]) if pad else t
+
+    def to_hf(self, full: Tensor, s: Shapes) -> list[Tensor]:
+        return [full[: s.vocab_size]]
+
+
+class QKV(Split):
+    """q|k|v projections -> Megatron's fused `linear_qkv`, interleaved per query group:
+    [q heads of group 0, k_0, v_0, q heads of group 1, k_1, v_1, ...]. TP takes whole groups."""
+
+    def __init__(self, q: str, k: str, v: str, megatron: str):
+        Split.__init__(self, (q, k, v), megatron, dim=0)
+
+    def to_megatron(self, hf: list[Tensor], s: Shapes) -> Tensor:
+        q, k, v = hf
+        g, d = s.num_query_groups, s.head_dim
+        rest = q.shape[1:]
+        parts = [q.reshape(g, -1, *rest), k.reshape(g, d, *rest), v.reshape(g, d, *rest)]
+        return torch.cat(parts, dim=1).reshape(-1, *rest)
+
+    def to_hf(self, full: Tensor, s: Shapes) -> list[Tensor]:
+        g, d = s.num_query_groups, s.head_dim
+        per_group_q = s.num_heads // g * d
+        rest = full.shape[1:]
+        grouped = full.reshape(g, per_group_q + 2 * d, *rest)
+        q, k, v = torch.split(grouped, [per_group_q, d, d], dim=1)
+        return [t.reshape(-1, *rest).contiguous() for t in (q, k, v)]
+
+
+class GatedMLP(Mapping):
+    """gate|up projections -> `linear_fc1`; each TP rank holds [gate shard; up shard]."""
+
+    def __init__(self, gate: str, up: str, megatron: str):
+        super().__init__(megatron, (gate, up))
+
+    def to_megatron(self, hf: list[Tensor], s: Shapes) -> Tensor:
+        return torch.cat(hf, dim=0)
+
+    def to_hf(self, full: Tensor, s: Shapes) -> list[Tensor]:
+        return [t.contiguous() for t in torch.chunk(full, 2, dim=0)]
+
+    def shard(self, full: Tensor, tp: int, s: Shapes) -> list[Tensor]:
+        gate, up = torch.chunk(full, 2, dim=0)
+        if gate.shape[0] % tp:
+            raise ValueError(f"{self.megatron}: FFN size {gate.shape[0]} not divisible by TP={tp}")
+        return [torch.cat(p, dim=0) for p in zip(torch.chunk(gate, tp), torch.chunk(up, tp))]
+
+    def unshard(self, shards: list[Tensor], s: Shapes) -> Tensor:
+        halves = [torch.chunk(t, 2, dim=0) for t in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+
+
+@dataclass(frozen=True)
+class Drop:
+    """An HF tensor that is deliberately not converted (e.g. rotary caches stored by old exports)."""
+
+    hf: str
+    reason: str = field(default="")

@@ -1,0 +1,82 @@
+"""Registry: HF `architectures` name or family name -> ModelFamily, each family imported on first use.
+
+Outside code adds families with `register("mymodel", "my_pkg.my_family", ("MyForCausalLM",))`:
+the module must define `FAMILY`, a `ModelFamily` instance.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+from typing import Any
+
+from megatron_patch.models.family import ModelFamily, cfg_get
+
+# family name -> (module defining FAMILY, HF architectures it serves)
+_FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "llama": ("megatron_patch.models.llama", ("LlamaForCausalLM",)),
+}
+_LOADED: dict[str, ModelFamily] = {}
+
+
+class UnknownArchitecture(KeyError):
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+def register(name: str, module: str, architectures: tuple[str, ...]) -> None:
+    """Register (or replace) a family implemented in `module` (which defines `FAMILY`)."""
+    _FAMILIES[name] = (module, tuple(architectures))
+    _LOADED.pop(name, None)
+
+
+def families() -> dict[str, tuple[str, ...]]:
+    """Family name -> the HF architectures it serves."""
+    return {name: archs for name, (_, archs) in _FAMILIES.items()}
+
+
+def _load(name: str) -> ModelFamily:
+    if name not in _LOADED:
+        family = importlib.import_module(_FAMILIES[name][0]).FAMILY
+        if not isinstance(family, ModelFamily):
+            raise TypeError(f"{_FAMILIES[name][0]}.FAMILY is not a ModelFamily")
+        _LOADED[name] = family
+    return _LOADED[name]
+
+
+def get_family(hf_config_or_name: Any) -> ModelFamily:
+    """Resolve a family from an HF config (object, dict, folder or config.json path), an
+    architecture name (`LlamaForCausalLM`) or a family name (`llama`)."""
+    if isinstance(hf_config_or_name, (str, os.PathLike)):
+        key = str(hf_config_or_name)
+        if key in _FAMILIES:
+            return _load(key)
+        if os.path.exists(key):
+            return get_family(load_hf_config(key))
+        for name, (_, archs) in _FAMILIES.items():
+            if key in archs:
+                return _load(name)
+        raise UnknownArchitecture(f"unsupported architecture or family {key!r}; supported: {_supported()}")
+    archs = cfg_get(hf_config_or_name, "architectures") or []
+    for arch in archs:
+        for name, (_, served) in _FAMILIES.items():
+            if arch in served:
+                return _load(name)
+    raise UnknownArchitecture(
+        f"unsupported architecture {archs or '(config has no architectures field)'}; supported: {_supported()}"
+    )
+
+
+def _supported() -> str:
+    return ", ".join(a for _, archs in _FAMILIES.values() for a in archs)
+
+
+def load_hf_config(path: str | os.PathLike) -> dict:
+    """Read `config.json` from a folder (or the file itself) as a dict."""
+    path = os.fspath(path)
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"no config.json in {path}")
+    with open(file, encoding="utf-8") as f:
+        return json.load(f)

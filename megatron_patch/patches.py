@@ -1,0 +1,103 @@
+"""The one registry of runtime patches (the last resort of the non-invasive rule).
+
+Each patch is named, states the megatron-core versions it targets and why it exists, is safe to
+apply twice, can be undone, and has a test (tests/unit/test_patches.py). Library code asks for a
+patch by name; nothing is patched at import time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+
+@dataclass
+class Patch:
+    name: str
+    versions: SpecifierSet
+    why: str
+    apply: Callable[[], Callable[[], None] | None]  # returns an undo function, or None if nothing was done
+
+
+_REGISTRY: dict[str, Patch] = {}
+_ACTIVE: dict[str, Callable[[], None]] = {}
+
+
+def register(name: str, versions: str) -> Callable:
+    def deco(fn: Callable[[], Callable[[], None] | None]) -> Callable:
+        _REGISTRY[name] = Patch(name, SpecifierSet(versions), (fn.__doc__ or "").strip(), fn)
+        return fn
+
+    return deco
+
+
+def megatron_core_version() -> Version:
+    from megatron.core.package_info import __version__
+
+    return Version(__version__)
+
+
+def apply(name: str) -> bool:
+    """Apply patch `name` if megatron-core's version is in its range; True if it is active."""
+    if name in _ACTIVE:
+        return True
+    p = _REGISTRY[name]
+    if megatron_core_version() not in p.versions:
+        return False
+    undo = p.apply()
+    if undo is None:
+        return False
+    _ACTIVE[name] = undo
+    return True
+
+
+def revert(name: str) -> None:
+    undo = _ACTIVE.pop(name, None)
+    if undo is not None:
+        undo()
+
+
+@contextlib.contextmanager
+def applied(name: str) -> Iterator[bool]:
+    """Apply `name` for the duration of a block (left in place if it was active before)."""
+    was_active = name in _ACTIVE
+    active = apply(name)
+    try:
+        yield active
+    finally:
+        if active and not was_active:
+            revert(name)
+
+
+def registry() -> dict[str, Patch]:
+    return dict(_REGISTRY)
+
+
+@register("cpu_cuda_calls", ">=0.17,<0.20")
+def _cpu_cuda_calls() -> Callable[[], None] | None:
+    """Let megatron-core run forward passes and write/read torch_dist checkpoints without a GPU.
+
+    Two unconditional CUDA calls stand in the way on a CPU-only machine (the converter and
+    `verify` run there):
+    - `megatron/core/models/common/embeddings/rotary_pos_embedding.py` (`RotaryEmbedding.get_emb`)
+      moves `inv_freq` to `torch.cuda.current_device()` on every forward, even for a model built
+      with `use_cpu_initialization=True`: here `current_device()` answers "cpu".
+    - `megatron/core/dist_checkpointing/strategies/filesystem_async.py` (`preload_tensors`) calls
+      `torch.cuda.synchronize()` before writing: with no GPU there is nothing to wait for, so it
+      becomes a no-op.
+    Does nothing when CUDA is available."""
+    if torch.cuda.is_available():
+        return None
+    originals = (torch.cuda.current_device, torch.cuda.synchronize)
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
+
+    def undo() -> None:
+        torch.cuda.current_device, torch.cuda.synchronize = originals
+
+    return undo

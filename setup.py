@@ -1,0 +1,30 @@
+"""megatron_patch: HF model families, checkpoint conversion and recipes on top of megatron-core."""
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron_patch",
+    version="0.1.0",
+    description="A non-invasive patch layer over megatron-core: model families, HF <-> Megatron "
+    "checkpoint conversion, FP8 and training recipes.",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.12",
+    packages=find_packages(include=["megatron_patch", "megatron_patch.*", "toolkits", "toolkits.*"]),
+    package_data={"megatron_patch": ["assets/*.json"]},
+    install_requires=[
+        "megatron-core==0.19.2",
+        "torch>=2.6",
+        "transformers>=4.51",
+        "safetensors>=0.4",
+        "tokenizers>=0.20",
+        "sentencepiece>=0.2",
+        "numpy>=1.26",
+        "psutil>=5.9",
+        "tqdm>=4.66",
+    ],
+    extras_require={
+        "te": ["transformer-engine[pytorch]>=2.0"],
+        "test": ["pytest>=8.0"],
+    },
+)

@@ -1,0 +1,77 @@
+"""python -m toolkits.checkpoint_converter {hf-to-mcore, mcore-to-hf, verify} ...
+
+Bad input (missing folders, unsupported architecture, a layout that does not divide the model, an
+existing --out without --overwrite) ends with one clear `error:` line, exit status 1, and no output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from megatron_patch.conversion.convert import DTYPES, hf_to_mcore, mcore_to_hf
+from megatron_patch.conversion.hf_io import parse_size
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m toolkits.checkpoint_converter", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    a = sub.add_parser("hf-to-mcore", help="HF folder -> megatron-core torch_dist checkpoint")
+    a.add_argument("--hf-dir", required=True)
+    a.add_argument("--out", required=True)
+    a.add_argument("--tp", "--tensor-model-parallel-size", dest="tp", type=int, default=1)
+    a.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", type=int, default=1)
+    a.add_argument("--impl", "--transformer-impl", dest="impl", choices=["local", "transformer_engine"],
+                   default="local")
+    a.add_argument("--dtype", choices=sorted(DTYPES), help="default: the checkpoint's own")
+    a.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    a.add_argument("--overwrite", action="store_true")
+
+    b = sub.add_parser("mcore-to-hf", help="megatron-core torch_dist checkpoint -> HF folder")
+    b.add_argument("--mcore-dir", required=True)
+    b.add_argument("--out", required=True)
+    b.add_argument("--dtype", choices=sorted(DTYPES), help="default: the checkpoint's own")
+    b.add_argument("--max-shard-size", default="5GB")
+    b.add_argument("--overwrite", action="store_true")
+
+    v = sub.add_parser("verify", help="compare HF and Megatron logits on fixed prompts (one JSON line)")
+    v.add_argument("--hf-dir", required=True)
+    v.add_argument("--mcore-dir", required=True)
+    v.add_argument("--tp", type=int, default=1, help=">1 needs torchrun with TP x PP processes")
+    v.add_argument("--pp", type=int, default=1)
+    v.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    v.add_argument("--tolerance", type=float, default=None,
+                   help="max abs logit diff allowed (default 1e-4 in fp32, 5e-2 in bf16/fp16)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "hf-to-mcore":
+            result = hf_to_mcore(args.hf_dir, args.out, args.tp, args.pp, args.impl, args.dtype,
+                                 args.make_vocab_size_divisible_by, args.overwrite)
+        elif args.command == "mcore-to-hf":
+            result = mcore_to_hf(args.mcore_dir, args.out, args.dtype, parse_size(args.max_shard_size),
+                                 args.overwrite)
+        else:
+            from megatron_patch.conversion.verify import verify
+
+            tol = args.tolerance if args.tolerance is not None else (1e-4 if args.dtype == "fp32" else 5e-2)
+            result = verify(args.hf_dir, args.mcore_dir, args.tp, args.pp, DTYPES[args.dtype], tol)
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(result))
+    if args.command == "verify" and not result["ok"]:
+        print(f"error: max abs logit diff {result['max_abs_logit_diff']:.3g} exceeds {result['tolerance']:g}",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
