@@ -132,6 +132,7 @@ def runtime_config_kwargs(dtype: torch.dtype = torch.float32) -> dict:
     on_gpu = torch.cuda.is_available()
     return dict(
         params_dtype=dtype,
+        pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         use_cpu_initialization=True,

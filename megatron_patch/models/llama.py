@@ -128,7 +128,10 @@ class LlamaFamily(ModelFamily):
                 GatedMLP(hf + "mlp.gate_proj.bias", hf + "mlp.up_proj.bias", mc + "mlp.linear_fc1.bias"),
                 Replicated(hf + "mlp.down_proj.bias", mc + "mlp.linear_fc2.bias"),
             ]
-        if not self.tied_embeddings(c):
+        if self.tied_embeddings(c):
+            # in-memory state dicts (and some exports) repeat the tied matrix
+            m.append(Drop("lm_head.weight", "tied to model.embed_tokens.weight"))
+        else:
             m.append(VocabParallel("lm_head.weight", "output_layer.weight"))
         return m
 

@@ -1,0 +1,124 @@
+"""Test-only harness: run megatron-core 0.19.2 on a machine without a GPU, in gloo worlds.
+
+Nothing here is library code. `install()` redirects the CUDA calls megatron-core makes
+unconditionally; `run_world(n, fn, *args)` runs `fn(rank, *args)` in n spawned gloo processes and
+returns the per-rank results, so one spawned world can run many checks.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.overrides import TorchFunctionMode
+
+from megatron_patch import patches
+
+
+def _is_cuda(dev) -> bool:
+    return dev is not None and not isinstance(dev, int) and str(dev).startswith("cuda")
+
+
+class _CudaDeviceToCpu(TorchFunctionMode):
+    """`megatron/core/pipeline_parallel/schedules.py` builds `torch.zeros([], device="cuda")`
+    (token counters) in every schedule, and `models/common/language_module/language_module.py`
+    moves the tied output weight with `.cuda()` before its all-reduce: keep everything on the CPU."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        dev = kwargs.get("device")
+        if _is_cuda(dev):
+            kwargs["device"] = "cpu"
+        return func(*args, **kwargs)
+
+
+class _DummyStream:
+    def synchronize(self) -> None:
+        pass
+
+    def wait_stream(self, _stream) -> None:
+        pass
+
+
+_MODE: _CudaDeviceToCpu | None = None
+
+
+def install() -> None:
+    """Apply the CPU redirects (idempotent)."""
+    global _MODE
+    # `torch.cuda.current_device` (rotary_pos_embedding.py, tensor_parallel/layers.py,
+    # pipeline_parallel/p2p_communication.py) and `torch.cuda.synchronize` (p2p_communication.py,
+    # dist_checkpointing/strategies/filesystem_async.py): the library's named patch covers both.
+    patches.apply("cpu_cuda_calls")
+    # `torch.cuda.current_stream` / `torch.cuda.stream` (distributed/distributed_data_parallel.py,
+    # param and grad buffers): no streams on CPU.
+    torch.cuda.current_stream = lambda device=None: _DummyStream()  # type: ignore[assignment]
+    # `torch.cuda.device_count` (parallel_state / initialize): 0 would make megatron skip
+    # model-parallel initialisation; `torch.cuda.set_device` is a no-op.
+    torch.cuda.device_count = lambda: 1  # type: ignore[assignment]
+    torch.cuda.set_device = lambda device: None  # type: ignore[assignment]
+    # The default causal mask of `megatron/core/transformer/utils.py` is built on "cuda": tests
+    # always pass an explicit boolean mask instead (megatron_patch.conversion.verify.causal_mask).
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    if _MODE is None:
+        _MODE = _CudaDeviceToCpu()
+        _MODE.__enter__()
+
+
+def init_model_parallel(tp: int = 1, pp: int = 1, seed: int = 1234) -> None:
+    """(Re)initialise megatron's model-parallel groups inside a running world, with the RNG
+    tracker megatron-core needs (`tensor_parallel/random.py`: the inference tracker never touches
+    CUDA RNG state)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True, force_reset_rng=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str, fn, args) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), TORCHDYNAMO_DISABLE="1")
+    torch.set_num_threads(1)
+    install()
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        result = ("ok", fn(rank, *args))
+    except BaseException:  # reported to the parent with the traceback
+        result = ("error", traceback.format_exc())
+    with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+    dist.destroy_process_group()
+
+
+def run_world(world: int, fn, *args) -> list:
+    """Run `fn(rank, *args)` on `world` gloo processes; returns each rank's result."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.start_processes(_worker, args=(world, free_port(), out_dir, fn, args), nprocs=world,
+                           start_method="spawn", join=True)
+        results = []
+        for rank in range(world):
+            with open(os.path.join(out_dir, f"{rank}.pkl"), "rb") as f:
+                status, value = pickle.load(f)
+            if status == "error":
+                raise AssertionError(f"rank {rank} failed:\n{value}")
+            results.append(value)
+        return results

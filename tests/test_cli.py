@@ -1,0 +1,122 @@
+"""The converter CLI end to end: HF -> torch_dist (TP2 x PP2) -> verify -> HF, bitwise; a negative
+control; and bad input (clear error, exit 1, no output folder)."""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.models import hf_model, llama_config, save_hf
+from toolkits.checkpoint_converter.__main__ import main
+
+
+def _hf_tensors(folder: str) -> dict:
+    out = {}
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".safetensors"):
+            out.update(load_file(os.path.join(folder, name)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory, cpu_megatron):
+    root = tmp_path_factory.mktemp("cli")
+    hf_dir = save_hf(hf_model(llama_config("pad_vocab")), str(root / "hf"))
+    mc_dir = str(root / "mcore")
+    assert main(["hf-to-mcore", "--hf-dir", hf_dir, "--out", mc_dir, "--tp", "2", "--pp", "2"]) == 0
+    return root, hf_dir, mc_dir
+
+
+def test_checkpoint_layout(converted):
+    _, _, mc = converted
+    assert open(os.path.join(mc, "latest_checkpointed_iteration.txt")).read() == "release"
+    assert os.path.isfile(os.path.join(mc, "release", "metadata.json"))
+    assert os.path.isfile(os.path.join(mc, "hf", "config.json"))
+    manifest = json.load(open(os.path.join(mc, "megatron_patch.json")))
+    assert manifest["tp"] == 2 and manifest["pp"] == 2 and manifest["padded_vocab_size"] == 1280
+    assert not [n for n in os.listdir(os.path.dirname(mc)) if ".partial-" in n]
+
+
+def test_verify_passes(converted, capsys):
+    _, hf_dir, mc = converted
+    assert main(["verify", "--hf-dir", hf_dir, "--mcore-dir", mc]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["ok"] and result["max_abs_logit_diff"] <= 1e-5 and result["top1_agreement"] == 1.0
+
+
+def test_round_trip_bitwise(converted):
+    root, hf_dir, mc = converted
+    out = str(root / "hf_back")
+    assert main(["mcore-to-hf", "--mcore-dir", mc, "--out", out, "--max-shard-size", "200KB"]) == 0
+    index = json.load(open(os.path.join(out, "model.safetensors.index.json")))
+    assert len(set(index["weight_map"].values())) > 1  # sharded
+    a, b = _hf_tensors(hf_dir), _hf_tensors(out)
+    assert set(a) == set(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(out).config.vocab_size == 1100
+
+
+def test_negative_control_one_perturbed_tensor_fails_verify(converted, capsys):
+    root, hf_dir, mc = converted
+    bad = str(root / "hf_perturbed")
+    shutil.copytree(hf_dir, bad)
+    file = os.path.join(bad, "model.safetensors")
+    tensors = load_file(file)
+    tensors["model.layers.2.mlp.down_proj.weight"][0, 0] += 0.5
+    save_file(tensors, file, metadata={"format": "pt"})
+    assert main(["verify", "--hf-dir", bad, "--mcore-dir", mc]) == 1
+    assert "exceeds" in capsys.readouterr().err
+
+
+def test_bf16_conversion(converted):
+    root, hf_dir, _ = converted
+    mc = str(root / "mcore_bf16")
+    assert main(["hf-to-mcore", "--hf-dir", hf_dir, "--out", mc, "--dtype", "bf16"]) == 0
+    out = str(root / "hf_bf16")
+    assert main(["mcore-to-hf", "--mcore-dir", mc, "--out", out]) == 0
+    a, b = _hf_tensors(hf_dir), _hf_tensors(out)
+    assert all(b[k].dtype == torch.bfloat16 and torch.equal(a[k].to(torch.bfloat16), b[k]) for k in a)
+
+
+def _assert_fails(argv, out, match, capsys):
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert any(line.startswith("error:") and match in line for line in err.splitlines()), err
+    assert not os.path.exists(out) or out.endswith("existing")
+    parent = os.path.dirname(out)
+    assert not [n for n in os.listdir(parent) if ".partial-" in n] if os.path.isdir(parent) else True
+
+
+def test_bad_input(converted, tmp_path, capsys):
+    _, hf_dir, mc = converted
+    out = str(tmp_path / "out")
+    _assert_fails(["hf-to-mcore", "--hf-dir", str(tmp_path / "nope"), "--out", out], out, "does not exist", capsys)
+
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "vocab_size": 10}))
+    _assert_fails(["hf-to-mcore", "--hf-dir", str(gpt2), "--out", out], out, "unsupported architecture", capsys)
+
+    mqa = save_hf(hf_model(llama_config("mqa")), str(tmp_path / "mqa"))
+    _assert_fails(["hf-to-mcore", "--hf-dir", mqa, "--out", out, "--tp", "2"], out,
+                  "TP=2 does not divide the 1 kv heads", capsys)
+
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    (existing / "keep.txt").write_text("mine")
+    _assert_fails(["hf-to-mcore", "--hf-dir", hf_dir, "--out", str(existing)], str(existing),
+                  "already exists", capsys)
+    assert os.listdir(existing) == ["keep.txt"]
+    _assert_fails(["mcore-to-hf", "--mcore-dir", mc, "--out", str(existing)], str(existing),
+                  "already exists", capsys)
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "config.json").write_text(json.dumps(llama_config()))
+    _assert_fails(["hf-to-mcore", "--hf-dir", str(empty), "--out", out], out, "no model.safetensors", capsys)

@@ -1,0 +1,69 @@
+"""Registry resolution and the LLaMA family's config translation and refusals."""
+
+import json
+
+import pytest
+
+from megatron_patch.models import UnsupportedConfig, get_family, padded_vocab_size, register
+from megatron_patch.models.registry import UnknownArchitecture
+from tests.models import llama_config
+
+
+def test_resolves_by_architecture_name_dict_and_folder(tmp_path):
+    cfg = llama_config()
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    for key in ("llama", "LlamaForCausalLM", cfg, str(tmp_path)):
+        assert get_family(key).name == "llama"
+
+
+def test_unknown_architecture_names_it():
+    with pytest.raises(UnknownArchitecture, match="GPT2LMHeadModel"):
+        get_family({"architectures": ["GPT2LMHeadModel"]})
+
+
+def test_register_plugin():
+    register("llama_alias", "megatron_patch.models.llama", ("MyLlamaForCausalLM",))
+    assert get_family({"architectures": ["MyLlamaForCausalLM"]}).name == "llama"
+
+
+def test_padded_vocab():
+    assert padded_vocab_size(1000, 1) == 1024
+    assert padded_vocab_size(1100, 2) == 1280
+    assert padded_vocab_size(32000, 8) == 32768
+
+
+def test_config_translation():
+    fam = get_family("llama")
+    ck = fam.config_kwargs(llama_config("head_dim"))
+    assert (ck["num_attention_heads"], ck["num_query_groups"], ck["kv_channels"]) == (8, 2, 16)
+    gk = fam.gpt_kwargs(llama_config("llama3_rope"))
+    assert gk["rope_scaling"] and gk["rope_scaling_factor"] == 8.0 and gk["rotary_base"] == 500000.0
+    assert fam.gpt_kwargs(llama_config("linear_rope"))["seq_len_interpolation_factor"] == 4.0
+    assert fam.gpt_kwargs(llama_config("tied"))["share_embeddings_and_output_weights"]
+
+
+@pytest.mark.parametrize("overrides,match", [
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0,
+                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}, "llama3"),
+    ({"attention_bias": True, "mlp_bias": False}, "attention_bias"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+])
+def test_unsupported_configs_raise_clearly(overrides, match):
+    fam = get_family("llama")
+    cfg = llama_config(**overrides)
+    with pytest.raises(UnsupportedConfig, match=match):
+        fam.config_kwargs(cfg)
+        fam.gpt_kwargs(cfg)
+
+
+def test_megatron_config_back_to_hf(cpu_megatron):
+    """(d): Megatron config -> HF config.json reproduces the architecture fields."""
+    from megatron_patch.models import transformer_config
+
+    fam = get_family("llama")
+    for variant in ("gqa", "tied", "llama3_rope", "linear_rope", "bias", "head_dim"):
+        cfg = llama_config(variant)
+        back = fam.hf_config_from_megatron(transformer_config(cfg), fam.gpt_kwargs(cfg), cfg["vocab_size"])
+        assert fam.config_kwargs(back) == fam.config_kwargs(cfg), variant
+        assert fam.gpt_kwargs(back) == fam.gpt_kwargs(cfg), variant
