@@ -1,16 +1,10 @@
-"""Tiny random HF models for tests: configs derived from the repo's tiny LLaMA, weights with every
-parameter randomised (norm weights too, so a swapped norm cannot hide)."""
+"""Test configs derived from the repo's tiny LLaMA, and helpers around `megatron_patch.testing`."""
 
 from __future__ import annotations
 
-import json
-import os
-
-import torch
-
 from megatron_patch.models.registry import load_hf_config
-
-TINY_LLAMA = os.path.join(os.path.dirname(__file__), "..", "megatron_patch", "assets", "tiny_llama.json")
+from megatron_patch.testing import TINY_LLAMA
+from megatron_patch.testing import random_hf_model as hf_model  # noqa: F401 (re-exported)
 
 # name -> overrides of the tiny LLaMA config
 LLAMA_VARIANTS: dict[str, dict] = {
@@ -35,27 +29,6 @@ def llama_config(variant: str = "gqa", **extra) -> dict:
     return cfg
 
 
-def hf_model(cfg: dict, seed: int = 0):
-    """A transformers model for `cfg` with all parameters drawn from a seeded generator."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.for_model(**cfg)
-    config._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g) * 0.1
-            p.copy_(1.0 + noise if "norm" in name else noise)
-    return model.eval()
-
-
 def save_hf(model, path: str) -> str:
     model.save_pretrained(path)
     return path
-
-
-def write_config(cfg: dict, path: str) -> None:
-    with open(path, "w") as f:
-        json.dump(cfg, f)

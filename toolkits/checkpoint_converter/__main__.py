@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 
 from megatron_patch.conversion.convert import DTYPES, hf_to_mcore, mcore_to_hf
 from megatron_patch.conversion.hf_io import parse_size
@@ -50,6 +51,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    # megatron-core warns at import about optional extras (Apex, absl, NVRx) it can do without
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
     try:
         if args.command == "hf-to-mcore":
             result = hf_to_mcore(args.hf_dir, args.out, args.tp, args.pp, args.impl, args.dtype,
