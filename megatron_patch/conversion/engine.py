@@ -195,3 +195,15 @@ def megatron_to_hf(plan: Plan, state_dicts: MappingABC[Rank, MappingABC[str, Ten
         for h, tensor in zip(m.names(layer)[1], m.to_hf(full, plan.shapes)):
             out[h] = _own(tensor.to(dtype) if dtype is not None else tensor)
     return out
+
+
+def load_rank_state_dict(model: torch.nn.Module, state_dict: MappingABC[str, Tensor]) -> None:
+    """Load one rank's converted weights into its model. Strict on parameters; only Transformer
+    Engine's `_extra_state` (FP8 scaling metadata, not weights) may be absent."""
+    result = model.load_state_dict(state_dict, strict=False)
+    missing = [k for k in result.missing_keys if not k.endswith("._extra_state")]
+    if missing or result.unexpected_keys:
+        raise ConversionError(
+            f"state dict does not fit the model: missing {_names(missing) or 'none'}; "
+            f"unexpected {_names(result.unexpected_keys) or 'none'}"
+        )

@@ -42,6 +42,7 @@ def _template(plan: Plan, dtype: torch.dtype):
         model = build_model(
             plan.hf_config, 1, 1, impl=plan.impl, dtype=dtype,
             padded_vocab_size=plan.shapes.padded_vocab_size, perform_initialization=False,
+            use_cpu_initialization=True,  # honour the meta device even when a GPU is present
         )
     return model.sharded_state_dict()
 

@@ -40,7 +40,7 @@ def megatron_logits(model, input_ids: Tensor, vocab_size: int) -> Tensor | None:
         else:
             out = _pipeline_forward(model, ids, pos, mask)
     if out is not None:
-        out = gather_from_tensor_model_parallel_region(out)[..., :vocab_size].float()
+        out = gather_from_tensor_model_parallel_region(out)[..., :vocab_size].float().cpu()
     return _from_last_stage(out, (b, s, vocab_size))
 
 
@@ -100,14 +100,16 @@ def hf_logits(hf_dir: str, input_ids: Tensor, dtype: torch.dtype = torch.float32
 
 
 def verify(hf_dir: str, mcore_dir: str, tp: int = 1, pp: int = 1, dtype: torch.dtype = torch.float32,
-           tolerance: float = 1e-4) -> dict:
-    """Run both models on fixed prompts; returns the metrics plus `ok` (max diff <= tolerance)."""
+           tolerance: float = 1e-4, impl: str | None = None) -> dict:
+    """Run both models on fixed prompts; returns the metrics plus `ok` (max diff <= tolerance).
+    `impl` overrides the implementation recorded at conversion (torch_dist is impl-independent)."""
     from megatron_patch.conversion.mcore_io import load_megatron_model
 
-    model, hf_config = load_megatron_model(mcore_dir, tp, pp, dtype=dtype)
+    model, hf_config = load_megatron_model(mcore_dir, tp, pp, impl=impl, dtype=dtype)
     vocab = int(hf_config["vocab_size"])
     ids = fixed_prompts(vocab)
     result = compare(hf_logits(hf_dir, ids, dtype), megatron_logits(model, ids, vocab))
-    result.update(tolerance=tolerance, tp=tp, pp=pp, dtype=str(dtype).removeprefix("torch."))
+    result.update(tolerance=tolerance, tp=tp, pp=pp, dtype=str(dtype).removeprefix("torch."),
+                  impl=model.config.transformer_impl)
     result["ok"] = result["max_abs_logit_diff"] <= tolerance
     return result

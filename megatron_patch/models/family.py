@@ -123,25 +123,22 @@ class ModelFamily:
 
 
 def runtime_config_kwargs(dtype: torch.dtype = torch.float32) -> dict:
-    """Runtime (non-architecture) TransformerConfig fields.
-
-    Fusions that need CUDA kernels (rope fusion, gradient-accumulation fusion, persistent/fused
-    layer norm, masked-softmax and bias fusions) are switched off when no GPU is present so the same
-    model runs on CPU for verification; weights are initialised on CPU in either case (conversion
-    overwrites them)."""
-    on_gpu = torch.cuda.is_available()
+    """Runtime (non-architecture) TransformerConfig fields for models built outside
+    `megatron.training` (conversion, verification): parameters are created on the GPU when there is
+    one, else on the CPU, and the fused kernels that need CUDA extensions (Apex, megatron's own
+    fused softmax) are off, so the same model runs on either."""
     return dict(
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
-        use_cpu_initialization=True,
+        use_cpu_initialization=not torch.cuda.is_available(),
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
-        persist_layer_norm=on_gpu,
-        masked_softmax_fusion=on_gpu,
-        bias_activation_fusion=on_gpu,
-        bias_dropout_fusion=on_gpu,
+        persist_layer_norm=False,
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
     )
 
 
@@ -189,7 +186,8 @@ def build_model(hf_config: Any, tp: int = 1, pp: int = 1, impl: Impl = "local",
             f"model parallelism is initialised as TP={ps.get_tensor_model_parallel_world_size()}, "
             f"PP={ps.get_pipeline_model_parallel_world_size()} but TP={tp}, PP={pp} was asked for"
         )
-    config = transformer_config(hf_config, layout, dtype, family, **config_overrides)
+    config = transformer_config(hf_config, layout, dtype, family,
+                                **{"transformer_impl": impl, **config_overrides})
     shapes = family.shapes(hf_config, layout)
     if pre_process is None:
         pre_process = ps.is_pipeline_first_stage()

@@ -44,6 +44,8 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--tp", type=int, default=1, help=">1 needs torchrun with TP x PP processes")
     v.add_argument("--pp", type=int, default=1)
     v.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    v.add_argument("--impl", choices=["local", "transformer_engine"],
+                   help="Megatron implementation to run (default: the one used at conversion)")
     v.add_argument("--tolerance", type=float, default=None,
                    help="max abs logit diff allowed (default 1e-4 in fp32, 5e-2 in bf16/fp16)")
     return p
@@ -64,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
             from megatron_patch.conversion.verify import verify
 
             tol = args.tolerance if args.tolerance is not None else (1e-4 if args.dtype == "fp32" else 5e-2)
-            result = verify(args.hf_dir, args.mcore_dir, args.tp, args.pp, DTYPES[args.dtype], tol)
+            result = verify(args.hf_dir, args.mcore_dir, args.tp, args.pp, DTYPES[args.dtype], tol, args.impl)
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -1,0 +1,98 @@
+"""Transformer Engine on the GPU machine: TE layer spec logits vs HF and vs the local spec, and the
+converter with `--impl transformer_engine` (HF -> torch_dist -> verify -> HF, bitwise), plus a
+checkpoint converted for `local` run under TE. Skipped without CUDA + Transformer Engine.
+
+Run there: python -m pytest -q tests/gpu -s   (results: tests/gpu/RESULTS.md)"""
+
+import json
+import os
+
+import pytest
+import torch
+
+try:
+    import transformer_engine  # noqa: F401
+
+    HAVE_TE = torch.cuda.is_available()
+except ImportError:
+    HAVE_TE = False
+
+pytestmark = pytest.mark.skipif(not HAVE_TE, reason="needs a CUDA GPU and Transformer Engine")
+
+# TE kernels want head_dim a multiple of 8 and hidden sizes a multiple of 16
+GPU_CFG = dict(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2,
+               head_dim=32, num_hidden_layers=4)
+TOL = {torch.float32: 1e-3, torch.bfloat16: 0.1}
+REPORT = os.environ.get("GPU_REPORT", "gpu_results.jsonl")
+
+
+def _record(**row):
+    print(json.dumps(row))
+    with open(REPORT, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+@pytest.fixture(scope="module")
+def world():
+    from megatron_patch.models.family import ensure_model_parallel
+
+    ensure_model_parallel(1, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_te_spec_matches_hf_and_local(world, dtype):
+    from megatron_patch.conversion.engine import hf_to_megatron, load_rank_state_dict, make_plan
+    from megatron_patch.conversion.verify import compare, fixed_prompts, megatron_logits
+    from megatron_patch.models import Layout, build_model
+    from tests.models import hf_model, llama_config
+
+    cfg = llama_config("gqa", **GPU_CFG)
+    hf = hf_model(cfg).to(dtype).cuda()
+    sd = {k: v for k, v in hf.state_dict().items()}
+    ids = fixed_prompts(cfg["vocab_size"], batch=4, seq=64)
+    with torch.no_grad():
+        ref = hf(ids.cuda()).logits.float().cpu()
+    logits = {}
+    for impl in ("local", "transformer_engine"):
+        ranks = hf_to_megatron(make_plan(cfg, Layout(), impl), sd.__getitem__, sd.keys())
+        model = build_model(cfg, impl=impl, dtype=dtype).eval()
+        load_rank_state_dict(model, ranks[(0, 0)])
+        logits[impl] = megatron_logits(model, ids, cfg["vocab_size"])
+    te_vs_hf = compare(ref, logits["transformer_engine"])
+    local_vs_hf = compare(ref, logits["local"])
+    te_vs_local = compare(logits["local"], logits["transformer_engine"])
+    _record(test="te_spec_parity", dtype=str(dtype), te_vs_hf=te_vs_hf, local_vs_hf=local_vs_hf,
+            te_vs_local=te_vs_local)
+    assert te_vs_hf["max_abs_logit_diff"] <= TOL[dtype]
+    assert te_vs_local["max_abs_logit_diff"] <= TOL[dtype]
+
+
+def test_converter_with_te_naming(world, tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    from tests.models import hf_model, llama_config, save_hf
+    from toolkits.checkpoint_converter.__main__ import main
+
+    cfg = llama_config("gqa", **GPU_CFG)
+    hf_dir = save_hf(hf_model(cfg), str(tmp_path / "hf"))
+    rows = {}
+    for impl in ("transformer_engine", "local"):
+        mc = str(tmp_path / f"mc_{impl}")
+        assert main(["hf-to-mcore", "--hf-dir", hf_dir, "--out", mc, "--impl", impl]) == 0
+        for run_impl in ("transformer_engine", "local"):
+            code = main(["verify", "--hf-dir", hf_dir, "--mcore-dir", mc, "--impl", run_impl, "--tolerance", "1e-3"])
+            rows[(impl, run_impl)] = (code, json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+        back = str(tmp_path / f"back_{impl}")
+        assert main(["mcore-to-hf", "--mcore-dir", mc, "--out", back]) == 0
+        a = load_file(os.path.join(hf_dir, "model.safetensors"))
+        b = {}
+        for n in os.listdir(back):
+            if n.endswith(".safetensors"):
+                b.update(load_file(os.path.join(back, n)))
+        rows[(impl, "roundtrip_bitwise")] = set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    _record(test="converter_te", results={f"{k[0]}->{k[1]}": v for k, v in rows.items()})
+    for (impl, run_impl), value in rows.items():
+        if run_impl == "roundtrip_bitwise":
+            assert value, impl
+        else:
+            assert value[0] == 0, (impl, run_impl, value[1])
