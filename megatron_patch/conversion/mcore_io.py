@@ -17,6 +17,7 @@ memory) and its `sharded_state_dict()` is filled with the converted tensors.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from argparse import Namespace
@@ -36,13 +37,15 @@ TRACKER = "latest_checkpointed_iteration.txt"
 
 
 def _template(plan: Plan, dtype: torch.dtype):
-    """The TP=PP=1 model's sharded state dict, on the meta device, with the plan's vocab padding."""
+    """The TP=PP=1 model's sharded state dict with the plan's vocab padding: on the meta device for
+    the local implementation (no memory); Transformer Engine modules copy data at construction, so
+    they are built uninitialised on the CPU."""
     ensure_model_parallel(1, 1)
-    with torch.device("meta"):
+    with torch.device("meta") if plan.impl == "local" else contextlib.nullcontext():
         model = build_model(
             plan.hf_config, 1, 1, impl=plan.impl, dtype=dtype,
             padded_vocab_size=plan.shapes.padded_vocab_size, perform_initialization=False,
-            use_cpu_initialization=True,  # honour the meta device even when a GPU is present
+            use_cpu_initialization=True,  # meta / CPU even when a GPU is present
         )
     return model.sharded_state_dict()
 

@@ -193,7 +193,7 @@ def build_model(hf_config: Any, tp: int = 1, pp: int = 1, impl: Impl = "local",
         pre_process = ps.is_pipeline_first_stage()
     if post_process is None:
         post_process = ps.is_pipeline_last_stage()
-    return GPTModel(
+    model = GPTModel(
         config=config,
         transformer_layer_spec=family.layer_spec(hf_config, impl),
         vocab_size=padded_vocab_size or shapes.padded_vocab_size,
@@ -202,6 +202,10 @@ def build_model(hf_config: Any, tp: int = 1, pp: int = 1, impl: Impl = "local",
         post_process=post_process,
         **family.gpt_kwargs(hf_config),
     )
+    if not config.use_cpu_initialization:
+        # as megatron.training's get_model does: modules built without a device (torch norms) follow
+        model.cuda(torch.cuda.current_device())
+    return model
 
 
 def ensure_model_parallel(tp: int, pp: int) -> None:

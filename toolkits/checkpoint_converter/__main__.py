@@ -2,13 +2,16 @@
 
 Bad input (missing folders, unsupported architecture, a layout that does not divide the model, an
 existing --out without --overwrite) ends with one clear `error:` line, exit status 1, and no output.
+Set MEGATRON_PATCH_TRACEBACK=1 to see the traceback behind an error.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import traceback
 import warnings
 
 from megatron_patch.conversion.convert import DTYPES, hf_to_mcore, mcore_to_hf
@@ -68,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
             tol = args.tolerance if args.tolerance is not None else (1e-4 if args.dtype == "fp32" else 5e-2)
             result = verify(args.hf_dir, args.mcore_dir, args.tp, args.pp, DTYPES[args.dtype], tol, args.impl)
     except (OSError, ValueError, KeyError, RuntimeError) as e:
+        if os.environ.get("MEGATRON_PATCH_TRACEBACK"):
+            traceback.print_exc()
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(json.dumps(result))
