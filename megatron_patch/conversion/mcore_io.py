@@ -90,19 +90,34 @@ def save_torch_dist(plan: Plan, get: Callable[[str], Tensor], hf_keys: Iterable[
         "model": sharded,
         "checkpoint_version": 3.0,
         "iteration": 0,
-        "args": Namespace(
-            tensor_model_parallel_size=plan.layout.tp,
-            pipeline_model_parallel_size=plan.layout.pp,
-            make_vocab_size_divisible_by=plan.layout.make_vocab_size_divisible_by,
-            padded_vocab_size=plan.shapes.padded_vocab_size,
-            transformer_impl=plan.impl,
-            ckpt_format="torch_dist",
-        ),
+        "args": _checkpoint_args(plan),
     }
     with patches.applied("cpu_cuda_calls"):
         dist_checkpointing.save(state, release)
     with open(os.path.join(out_dir, TRACKER), "w") as f:
         f.write("release")
+
+
+def _checkpoint_args(plan: Plan) -> Namespace:
+    """The `args` megatron.training stores and checks on `--load` (check_checkpoint_args): model
+    shape, layout and vocab padding, in Megatron-LM's argument names."""
+    arch = {k: v for k, v in plan.family.config_kwargs(plan.hf_config).items()
+            if isinstance(v, (bool, int, float, str))}
+    gpt = plan.family.gpt_kwargs(plan.hf_config)
+    position = gpt.get("position_embedding_type", "learned_absolute")
+    return Namespace(
+        **arch,
+        position_embedding_type=position,
+        add_position_embedding=position == "learned_absolute",
+        untie_embeddings_and_output_weights=not gpt.get("share_embeddings_and_output_weights", False),
+        max_position_embeddings=int(plan.hf_config.get("max_position_embeddings", 4096)),
+        tensor_model_parallel_size=plan.layout.tp,
+        pipeline_model_parallel_size=plan.layout.pp,
+        make_vocab_size_divisible_by=plan.layout.make_vocab_size_divisible_by,
+        padded_vocab_size=plan.shapes.padded_vocab_size,
+        transformer_impl=plan.impl,
+        ckpt_format="torch_dist",
+    )
 
 
 def load_torch_dist(plan: Plan, ckpt_dir: str, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
