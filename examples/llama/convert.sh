@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# HF LLaMA folder -> megatron-core torch_dist checkpoint for a TP x PP layout, then a logits check.
+# Usage: examples/llama/convert.sh HF_DIR OUT_DIR [--tp N] [--pp N] [--impl transformer_engine] [--dtype bf16] ...
+set -euo pipefail
+HF_DIR=${1:?HF folder}; OUT=${2:?output folder}; shift 2
+python -m toolkits.checkpoint_converter hf-to-mcore --hf-dir "$HF_DIR" --out "$OUT" "$@"
+python -m toolkits.checkpoint_converter verify --hf-dir "$HF_DIR" --mcore-dir "$OUT"
