@@ -1,21 +1,30 @@
-"""Whole-checkpoint conversions used by `python -m toolkits.checkpoint_converter`."""
+"""Whole-checkpoint conversions behind `python -m toolkits.checkpoint_converter`.
+
+Every conversion writes into a temporary folder beside `out` and renames it into place at the end;
+each shows a progress bar per phase and returns a summary (tensors, bytes, seconds, GB/s, peak RSS).
+"""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import resource
 import time
+from collections.abc import Callable, Iterator
 
 import torch
+from torch import Tensor
 from tqdm import tqdm
 
 from megatron_patch.conversion.atomic import atomic_output_dir
-from megatron_patch.conversion.engine import make_plan
-from megatron_patch.conversion.hf_io import HFCheckpoint, copy_side_files, save_hf_tensors
+from megatron_patch.conversion.engine import ConversionError, Plan, make_plan
+from megatron_patch.conversion.hf_io import HFCheckpoint, HFShardWriter, copy_side_files
 from megatron_patch.conversion.mcore_io import (
+    FORMATS,
     HF_SUBDIR,
-    load_torch_dist,
-    read_manifest,
+    MegatronCheckpoint,
+    save_legacy,
     save_torch_dist,
     write_manifest,
 )
@@ -29,59 +38,146 @@ def dtype_name(dtype: torch.dtype) -> str:
     return {v: k for k, v in DTYPES.items()}[dtype]
 
 
+class _Meter:
+    """Counts tensors/bytes read, for the progress bar and the closing summary."""
+
+    def __init__(self, total: int, desc: str):
+        self.start = time.time()
+        self.tensors = 0
+        self.bytes = 0
+        self.bar = tqdm(total=total, desc=desc, unit="tensor")
+
+    def count(self, t: Tensor) -> Tensor:
+        self.tensors += 1
+        self.bytes += t.numel() * t.element_size()
+        self.bar.update()
+        return t
+
+    def summary(self, **extra) -> dict:
+        self.bar.close()
+        seconds = time.time() - self.start
+        peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+                   resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss) * 1024
+        return dict(extra, tensors=self.tensors, bytes=self.bytes, seconds=round(seconds, 2),
+                    gb_per_s=round(self.bytes / seconds / 1e9, 3) if seconds else None,
+                    peak_rss_gb=round(peak / 1e9, 3))
+
+
+def _disk_errors(fn: Callable[[], dict], out: str) -> dict:
+    try:
+        return fn()
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+            raise OSError(e.errno, f"out of disk space writing {out} ({e.strerror}); nothing was left behind") from None
+        raise
+
+
+def _write_megatron(plan: Plan, get: Callable[[str], Tensor], keys: list[str], tmp: str, fmt: str,
+                    dtype: torch.dtype | None) -> None:
+    if fmt == "torch_dist":
+        save_torch_dist(plan, get, keys, tmp, dtype)
+    elif fmt == "legacy":
+        save_legacy(plan, get, keys, tmp, dtype)
+    else:
+        raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
+
+
+def _manifest(plan: Plan, fmt: str, dtype: torch.dtype, tmp: str) -> dict:
+    fields = dict(family=plan.family.name, impl=plan.impl, tp=plan.layout.tp, pp=plan.layout.pp,
+                  format=fmt, dtype=dtype_name(dtype), vocab_size=plan.shapes.vocab_size,
+                  padded_vocab_size=plan.shapes.padded_vocab_size,
+                  make_vocab_size_divisible_by=plan.layout.make_vocab_size_divisible_by)
+    write_manifest(tmp, **fields)
+    return fields
+
+
 def hf_to_mcore(hf_dir: str, out: str, tp: int = 1, pp: int = 1, impl: str = "local",
                 dtype: str | None = None, make_vocab_size_divisible_by: int = 128,
-                overwrite: bool = False) -> dict:
-    """HF folder -> megatron-core torch_dist checkpoint (+ HF side files, manifest)."""
-    start = time.time()
+                overwrite: bool = False, fmt: str = "torch_dist") -> dict:
+    """HF folder -> Megatron checkpoint (torch_dist or legacy) + HF side files + manifest."""
     if not os.path.isdir(hf_dir):
         raise FileNotFoundError(f"HF folder {hf_dir} does not exist")
     hf_config = load_hf_config(hf_dir)
-    family = get_family(hf_config)
-    plan = make_plan(hf_config, Layout(tp, pp, make_vocab_size_divisible_by), impl, family)
+    plan = make_plan(hf_config, Layout(tp, pp, make_vocab_size_divisible_by), impl, get_family(hf_config))
     ckpt = HFCheckpoint(hf_dir)
     target = DTYPES[dtype] if dtype else ckpt.dtype()
-    with atomic_output_dir(out, overwrite) as tmp:
-        keys = ckpt.keys()
-        bar = tqdm(total=len(keys), desc="hf-to-mcore", unit="tensor")
+    keys = ckpt.keys()
 
-        def get(name: str) -> torch.Tensor:
-            bar.update()
-            return ckpt.get(name)
+    def run() -> dict:
+        with atomic_output_dir(out, overwrite) as tmp:
+            meter = _Meter(len(keys), f"hf-to-mcore ({fmt})")
+            _write_megatron(plan, lambda k: meter.count(ckpt.get(k)), keys, tmp, fmt, target)
+            os.makedirs(os.path.join(tmp, HF_SUBDIR))
+            copy_side_files(hf_dir, os.path.join(tmp, HF_SUBDIR))
+            fields = _manifest(plan, fmt, target, tmp)
+        return meter.summary(**fields, out=os.path.abspath(out))
 
-        save_torch_dist(plan, get, keys, tmp, target)
-        bar.close()
-        os.makedirs(os.path.join(tmp, HF_SUBDIR))
-        copy_side_files(hf_dir, os.path.join(tmp, HF_SUBDIR))
-        summary = dict(family=family.name, impl=impl, tp=tp, pp=pp, dtype=dtype_name(target),
-                       make_vocab_size_divisible_by=make_vocab_size_divisible_by,
-                       vocab_size=plan.shapes.vocab_size, padded_vocab_size=plan.shapes.padded_vocab_size,
-                       format="torch_dist", tensors=len(keys))
-        write_manifest(tmp, **summary)
-    summary.update(out=os.path.abspath(out), seconds=round(time.time() - start, 2))
-    return summary
+    return _disk_errors(run, out)
+
+
+def _hf_chunks(src: MegatronCheckpoint, dtype: torch.dtype | None, meter: _Meter) -> Iterator[dict[str, Tensor]]:
+    for chunk in src.hf_chunks(dtype):
+        for t in chunk.values():
+            meter.count(t)
+        yield chunk
 
 
 def mcore_to_hf(mcore_dir: str, out: str, dtype: str | None = None, max_shard_size: int = 5 * 10**9,
-                overwrite: bool = False) -> dict:
-    """megatron-core torch_dist checkpoint (converted by us) -> HF folder."""
-    start = time.time()
-    if not os.path.isdir(mcore_dir):
-        raise FileNotFoundError(f"Megatron checkpoint folder {mcore_dir} does not exist")
-    manifest = read_manifest(mcore_dir)
-    hf_side = os.path.join(mcore_dir, HF_SUBDIR)
-    hf_config = load_hf_config(hf_side)
-    layout = Layout(manifest["tp"], manifest["pp"], manifest["make_vocab_size_divisible_by"])
-    plan = make_plan(hf_config, layout, manifest["impl"])
+                overwrite: bool = False, hf_config: str | None = None) -> dict:
+    """Megatron checkpoint (either format, ours or written by `megatron.training`) -> HF folder."""
+    src = MegatronCheckpoint.open(mcore_dir, hf_config)
     target = DTYPES[dtype] if dtype else None
-    with atomic_output_dir(out, overwrite) as tmp:
-        tensors = load_torch_dist(plan, mcore_dir, target)
-        files = save_hf_tensors(tensors, tmp, max_shard_size)
-        copy_side_files(hf_side, tmp)
-        if target is not None:
-            _set_config_dtype(os.path.join(tmp, "config.json"), dtype_name(target))
-    return dict(family=plan.family.name, out=os.path.abspath(out), tensors=len(tensors), shards=len(files),
-                seconds=round(time.time() - start, 2))
+    plan = src.plan()
+
+    def run() -> dict:
+        with atomic_output_dir(out, overwrite) as tmp:
+            meter = _Meter(len(plan.hf_names()), f"mcore-to-hf ({src.format})")
+            writer = HFShardWriter(tmp, max_shard_size)
+            for chunk in _hf_chunks(src, target, meter):
+                for name in sorted(chunk):
+                    writer.add(name, chunk[name])
+            files = writer.close()
+            if src.hf_side:
+                copy_side_files(src.hf_side, tmp)
+            else:
+                with open(os.path.join(tmp, "config.json"), "w") as f:
+                    json.dump(src.hf_config, f, indent=2)
+            if target is not None:
+                _set_config_dtype(os.path.join(tmp, "config.json"), dtype)
+        return meter.summary(family=plan.family.name, format=src.format, shards=len(files),
+                             out=os.path.abspath(out))
+
+    return _disk_errors(run, out)
+
+
+def mcore_to_mcore(mcore_dir: str, out: str, tp: int | None = None, pp: int | None = None,
+                   impl: str | None = None, fmt: str | None = None, dtype: str | None = None,
+                   make_vocab_size_divisible_by: int | None = None, overwrite: bool = False,
+                   hf_config: str | None = None) -> dict:
+    """Megatron -> Megatron with another layout / naming / format / dtype, without an HF folder.
+    Unset options keep the source's value. Holds the model once in memory."""
+    src = MegatronCheckpoint.open(mcore_dir, hf_config)
+    layout = Layout(tp or src.layout.tp, pp or src.layout.pp,
+                    make_vocab_size_divisible_by or src.layout.make_vocab_size_divisible_by)
+    plan = make_plan(src.hf_config, layout, impl or src.impl)
+    fmt = fmt or src.format
+    target = DTYPES[dtype] if dtype else src.dtype
+
+    def run() -> dict:
+        with atomic_output_dir(out, overwrite) as tmp:
+            meter = _Meter(len(plan.hf_names()), f"mcore-to-mcore ({src.format} -> {fmt})")
+            hf = {k: v for chunk in _hf_chunks(src, None, meter) for k, v in chunk.items()}
+            _write_megatron(plan, hf.__getitem__, list(hf), tmp, fmt, target)
+            os.makedirs(os.path.join(tmp, HF_SUBDIR))
+            if src.hf_side:
+                copy_side_files(src.hf_side, os.path.join(tmp, HF_SUBDIR))
+            else:
+                with open(os.path.join(tmp, HF_SUBDIR, "config.json"), "w") as f:
+                    json.dump(src.hf_config, f, indent=2)
+            fields = _manifest(plan, fmt, target, tmp)
+        return meter.summary(**fields, out=os.path.abspath(out))
+
+    return _disk_errors(run, out)
 
 
 def _set_config_dtype(config_path: str, name: str) -> None:
@@ -91,3 +187,6 @@ def _set_config_dtype(config_path: str, name: str) -> None:
     cfg.pop("torch_dtype", None)
     with open(config_path, "w") as f:
         json.dump(cfg, f, indent=2)
+
+
+__all__ = ["DTYPES", "ConversionError", "hf_to_mcore", "mcore_to_hf", "mcore_to_mcore"]

@@ -8,9 +8,10 @@ the embedding / final norm / output layer, TP sharding, vocab padding, the `loca
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping as MappingABC
+from collections.abc import Callable, Iterable, Iterator, Mapping as MappingABC
+import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -20,6 +21,20 @@ from megatron_patch.models.mappings import Drop, Mapping, Shapes
 from megatron_patch.models.registry import get_family
 
 Rank = tuple[int, int]  # (tp_rank, pp_rank)
+
+
+class Placement(NamedTuple):
+    """One Megatron tensor of one pipeline stage and the mapping that fills it."""
+
+    mapping: Mapping
+    layer: int | None  # global layer index, None for non-layer tensors
+    stage: int
+    name: str  # stage-local name in the plan's implementation naming
+    copy: bool = False  # a duplicate (tied output layer on the last stage), not a source of HF tensors
+
+    @property
+    def hf_names(self) -> tuple[str, ...]:
+        return self.mapping.names(self.layer)[1]
 
 # Transformer Engine fuses the pre-attention / pre-MLP norms into the following linear layer.
 _TE_RENAMES = (
@@ -76,29 +91,29 @@ class Plan:
             return [0]
         return [self.layout.pp - 1]
 
-    def placements(self) -> Iterable[tuple[Mapping, int | None, int, str]]:
-        """(mapping, global layer or None, pp stage, stage-local Megatron name in `impl` naming)."""
+    def placements(self, stages: Iterable[int] | None = None) -> Iterator[Placement]:
+        """Where every Megatron tensor goes, for the given pipeline stages (default: all)."""
+        wanted = set(range(self.layout.pp)) if stages is None else set(stages)
+        last = self.layout.pp - 1
         for m in self.mappings:
             if m.per_layer:
                 for layer in range(self.num_layers):
                     stage, local = divmod(layer, self.layers_per_stage)
-                    yield m, layer, stage, to_impl_name(m.megatron.format(layer=local), self.impl)
-            else:
-                for stage in self.stage_of(m):
-                    yield m, None, stage, to_impl_name(m.megatron, self.impl)
+                    if stage in wanted:
+                        yield Placement(m, layer, stage, to_impl_name(m.megatron.format(layer=local), self.impl))
+                continue
+            stage = 0 if m.megatron.startswith("embedding.") else last
+            if stage in wanted:
+                yield Placement(m, None, stage, to_impl_name(m.megatron, self.impl))
+            if self.tied and last > 0 and last in wanted and m.megatron == "embedding.word_embeddings.weight":
+                # tied embeddings with PP > 1: the last stage holds its own copy as the output layer
+                yield Placement(m, None, last, "output_layer.weight", copy=True)
 
     def hf_names(self) -> set[str]:
-        return {h for m, layer, _, _ in self.placements() for h in m.names(layer)[1]}
+        return {h for pl in self.placements() for h in pl.hf_names}
 
     def megatron_names(self, pp_rank: int) -> set[str]:
-        names = {name for _, _, stage, name in self.placements() if stage == pp_rank}
-        if self.tied_output_on(pp_rank):
-            names.add("output_layer.weight")
-        return names
-
-    def tied_output_on(self, pp_rank: int) -> bool:
-        """With tied embeddings and PP > 1, the last stage keeps its own copy of the embedding."""
-        return self.tied and self.layout.pp > 1 and pp_rank == self.layout.pp - 1
+        return {pl.name for pl in self.placements([pp_rank])}
 
     def is_dropped(self, hf_name: str) -> bool:
         for d in self.drops:
@@ -114,7 +129,9 @@ class Plan:
 
 
 def make_plan(hf_config: Any, layout: Layout = Layout(), impl: Impl = "local",
-              family: ModelFamily | None = None) -> Plan:
+              family: ModelFamily | None = None, padded_vocab_size: int | None = None) -> Plan:
+    """The conversion plan for `hf_config` at `layout`. `padded_vocab_size` overrides the padding
+    rule (a checkpoint's own embedding size wins over the rule it may have been made with)."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     family = family or get_family(hf_config)
@@ -125,12 +142,20 @@ def make_plan(hf_config: Any, layout: Layout = Layout(), impl: Impl = "local",
         hf_config=hf_config,
         layout=layout,
         impl=impl,
-        shapes=family.shapes(hf_config, layout),
+        shapes=_with_padding(family.shapes(hf_config, layout), padded_vocab_size),
         num_layers=int(family.config_kwargs(hf_config)["num_layers"]),
         tied=family.tied_embeddings(hf_config),
         mappings=[e for e in entries if isinstance(e, Mapping)],
         drops=[e for e in entries if isinstance(e, Drop)],
     )
+
+
+def _with_padding(shapes: Shapes, padded_vocab_size: int | None) -> Shapes:
+    if padded_vocab_size is None:
+        return shapes
+    if padded_vocab_size < shapes.vocab_size:
+        raise ConversionError(f"embedding has {padded_vocab_size} rows, fewer than vocab_size {shapes.vocab_size}")
+    return dataclasses.replace(shapes, padded_vocab_size=padded_vocab_size)
 
 
 def check_hf_keys(plan: Plan, hf_keys: Iterable[str]) -> None:
@@ -149,36 +174,39 @@ def check_hf_keys(plan: Plan, hf_keys: Iterable[str]) -> None:
 
 
 def hf_to_megatron(plan: Plan, get: Callable[[str], Tensor], hf_keys: Iterable[str],
-                   dtype: torch.dtype | None = None) -> dict[Rank, dict[str, Tensor]]:
-    """HF tensors (read by name through `get`) -> {(tp_rank, pp_rank): state dict}."""
+                   dtype: torch.dtype | None = None, stages: Iterable[int] | None = None,
+                   expected: MappingABC[str, tuple[int, ...]] | None = None) -> dict[Rank, dict[str, Tensor]]:
+    """HF tensors (read by name through `get`) -> {(tp_rank, pp_rank): state dict} for `stages`
+    (default all). `expected` (unsharded canonical name -> shape, e.g. from a meta model) turns a
+    tensor that does not fit the config into an error naming the HF tensor."""
     check_hf_keys(plan, hf_keys)
-    tp, pp = plan.layout.tp, plan.layout.pp
-    out: dict[Rank, dict[str, Tensor]] = {(t, p): {} for t in range(tp) for p in range(pp)}
-    for m, layer, stage, name in plan.placements():
-        shards = megatron_shards(plan, m, [get(h) for h in m.names(layer)[1]], dtype)
-        for t, shard in enumerate(shards):
-            out[(t, stage)][name] = shard
-    if plan.tied and pp > 1:
-        for t in range(tp):
-            out[(t, pp - 1)]["output_layer.weight"] = out[(t, 0)]["embedding.word_embeddings.weight"]
+    stages = list(range(plan.layout.pp)) if stages is None else list(stages)
+    out: dict[Rank, dict[str, Tensor]] = {(t, p): {} for t in range(plan.layout.tp) for p in stages}
+    for pl in plan.placements(stages):
+        for t, shard in enumerate(megatron_shards(plan, pl, [get(h) for h in pl.hf_names], dtype, expected)):
+            out[(t, pl.stage)][pl.name] = shard
     return out
 
 
-def megatron_shards(plan: Plan, m: Mapping, hf: list[Tensor], dtype: torch.dtype | None) -> list[Tensor]:
-    """One mapping's HF tensors -> its per-TP-rank Megatron tensors."""
-    full = m.to_megatron(hf, plan.shapes)
+def megatron_shards(plan: Plan, pl: Placement, hf: list[Tensor], dtype: torch.dtype | None,
+                    expected: MappingABC[str, tuple[int, ...]] | None = None) -> list[Tensor]:
+    """One placement's HF tensors -> its per-TP-rank Megatron tensors."""
+    m = pl.mapping
+    try:
+        full = m.to_megatron(hf, plan.shapes)
+        want = expected.get(m.megatron) if expected is not None else None
+        if want is not None and tuple(full.shape) != tuple(want):
+            raise ValueError(f"gives {pl.name} of shape {tuple(full.shape)}, the config needs {tuple(want)}")
+    except (RuntimeError, ValueError) as e:
+        shapes = ", ".join(f"{h} {tuple(t.shape)}" for h, t in zip(pl.hf_names, hf))
+        raise ConversionError(f"{shapes}: does not fit the {plan.family.name} config ({e})") from None
     if dtype is not None:
         full = full.to(dtype)
     return [_own(s) for s in m.shard(full, plan.layout.tp, plan.shapes)]
 
 
-def megatron_to_hf(plan: Plan, state_dicts: MappingABC[Rank, MappingABC[str, Tensor]],
-                   dtype: torch.dtype | None = None) -> dict[str, Tensor]:
-    """{(tp_rank, pp_rank): state dict} -> HF state dict. Strict: every rank's parameters are used."""
-    tp, pp = plan.layout.tp, plan.layout.pp
-    absent = [r for r in ((t, p) for t in range(tp) for p in range(pp)) if r not in state_dicts]
-    if absent:
-        raise ConversionError(f"missing state dicts for (tp_rank, pp_rank) {absent}")
+def check_megatron_keys(plan: Plan, state_dicts: MappingABC[Rank, MappingABC[str, Tensor]]) -> None:
+    """Each rank's parameters are exactly the plan's (TE `_extra_state` entries are not weights)."""
     for (t, p), sd in state_dicts.items():
         have = {k for k in sd if not k.endswith("._extra_state")}
         want = plan.megatron_names(p)
@@ -189,12 +217,39 @@ def megatron_to_hf(plan: Plan, state_dicts: MappingABC[Rank, MappingABC[str, Ten
             if have - want:
                 parts.append(f"unexpected Megatron parameters: {_names(have - want)}")
             raise ConversionError("; ".join(parts))
+
+
+def megatron_to_hf(plan: Plan, state_dicts: MappingABC[Rank, MappingABC[str, Tensor]],
+                   dtype: torch.dtype | None = None, stages: Iterable[int] | None = None) -> dict[str, Tensor]:
+    """{(tp_rank, pp_rank): state dict} for `stages` (default all) -> those stages' HF tensors.
+    Strict: every rank's parameters are used."""
+    stages = list(range(plan.layout.pp)) if stages is None else list(stages)
+    absent = [(t, p) for p in stages for t in range(plan.layout.tp) if (t, p) not in state_dicts]
+    if absent:
+        raise ConversionError(f"missing state dicts for (tp_rank, pp_rank) {absent}")
+    check_megatron_keys(plan, {r: sd for r, sd in state_dicts.items() if r[1] in stages})
     out: dict[str, Tensor] = {}
-    for m, layer, stage, name in plan.placements():
-        full = m.unshard([state_dicts[(t, stage)][name] for t in range(tp)], plan.shapes)
-        for h, tensor in zip(m.names(layer)[1], m.to_hf(full, plan.shapes)):
+    for pl in plan.placements(stages):
+        if pl.copy:
+            continue
+        m = pl.mapping
+        full = m.unshard([state_dicts[(t, pl.stage)][pl.name] for t in range(plan.layout.tp)], plan.shapes)
+        for h, tensor in zip(pl.hf_names, m.to_hf(full, plan.shapes)):
             out[h] = _own(tensor.to(dtype) if dtype is not None else tensor)
     return out
+
+
+def extra_state_names(plan: Plan, stage: int) -> set[str]:
+    """The `_extra_state` entries a stage's `state_dict()` holds (strict loading wants them): every
+    linear layer of a transformer layer keeps one (megatron-core's own linears too, for TE
+    compatibility), and Transformer Engine's core attention adds one. Checked against real models in
+    tests/unit/test_engine.py (local) and tests/gpu (TE)."""
+    names = {n.rsplit(".", 1)[0] + "._extra_state" for n in plan.megatron_names(stage)
+             if n.startswith("decoder.layers.") and ".linear_" in n}
+    if plan.impl == "transformer_engine":
+        for layer in range(plan.layers_per_stage):
+            names.add(f"decoder.layers.{layer}.self_attention.core_attention._extra_state")
+    return names
 
 
 def load_rank_state_dict(model: torch.nn.Module, state_dict: MappingABC[str, Tensor]) -> None:

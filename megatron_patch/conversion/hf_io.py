@@ -7,11 +7,16 @@ import json
 import os
 import shutil
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
+
+from megatron_patch.conversion.engine import ConversionError
+
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 # Side files copied between HF folders and kept beside Megatron checkpoints.
 SIDE_FILES = (
@@ -22,52 +27,86 @@ SIDE_FILES = (
 
 
 class HFCheckpoint:
-    """Tensors of an HF folder, opened lazily: `keys()` from the headers, `get(name)` reads one."""
+    """Tensors of an HF folder, opened lazily: `keys()` from the headers, `get(name)` reads one tensor.
+    Every file is opened (headers checked) up front, so a missing or truncated shard fails before any
+    output is written. Legacy `pytorch_model*.bin` files are read with `torch.load(weights_only=True)`
+    (a pickle cannot be read lazily: one file at a time is held)."""
 
     def __init__(self, path: str):
         if not os.path.isdir(path):
             raise FileNotFoundError(f"HF folder {path} does not exist")
         self.path = path
         self._where: dict[str, str] = {}
-        self._bin_cache: dict[str, dict[str, Tensor]] = {}
+        self._handles: dict[str, Any] = {}
+        self._bin: tuple[str, dict[str, Tensor]] | None = None
         index = os.path.join(path, "model.safetensors.index.json")
         single = os.path.join(path, "model.safetensors")
-        if os.path.isfile(index):
+        bin_index = os.path.join(path, "pytorch_model.bin.index.json")
+        if os.path.isfile(index) or os.path.isfile(bin_index):
+            index = index if os.path.isfile(index) else bin_index
             with open(index) as f:
                 weight_map = json.load(f)["weight_map"]
-            for file in sorted(set(weight_map.values())):
-                if not os.path.isfile(os.path.join(path, file)):
-                    raise FileNotFoundError(f"{index} names {file}, which is missing")
+            missing = sorted({v for v in weight_map.values() if not os.path.isfile(os.path.join(path, v))})
+            if missing:
+                raise FileNotFoundError(f"{index} names {', '.join(missing)}, which is missing")
             self._where = {k: os.path.join(path, v) for k, v in weight_map.items()}
         elif os.path.isfile(single):
-            with safe_open(single, "pt") as f:
-                self._where = {k: single for k in f.keys()}
+            self._where = dict.fromkeys(self._open(single).keys(), single)
         else:
             bins = sorted(n for n in os.listdir(path) if n.startswith("pytorch_model") and n.endswith(".bin"))
             if not bins:
                 raise FileNotFoundError(f"no model.safetensors, index or pytorch_model*.bin in {path}")
             for name in bins:
                 file = os.path.join(path, name)
-                self._bin_cache[file] = torch.load(file, map_location="cpu", weights_only=True)
-                self._where.update({k: file for k in self._bin_cache[file]})
+                self._where.update(dict.fromkeys(self._load_bin(file), file))
+        for file in sorted(set(self._where.values())):
+            if file.endswith(".safetensors"):
+                present = set(self._open(file).keys())
+                absent = [k for k, f in self._where.items() if f == file and k not in present]
+                if absent:
+                    raise ConversionError(f"{file} lacks tensors its index assigns to it: {', '.join(absent[:5])}")
+
+    def _open(self, file: str):
+        if file not in self._handles:
+            try:
+                self._handles[file] = safe_open(file, "pt")
+            except Exception as e:  # SafetensorError: truncated header or data
+                raise ConversionError(f"cannot read {file} (truncated or corrupt?): {e}") from None
+        return self._handles[file]
+
+    def _load_bin(self, file: str) -> dict[str, Tensor]:
+        if self._bin is None or self._bin[0] != file:
+            self._bin = None
+            try:
+                self._bin = (file, torch.load(file, map_location="cpu", weights_only=True))
+            except Exception as e:
+                raise ConversionError(f"cannot read {file} (truncated or corrupt?): {e}") from None
+        return self._bin[1]
 
     def keys(self) -> list[str]:
         return list(self._where)
 
     def get(self, name: str) -> Tensor:
         file = self._where[name]
-        if file in self._bin_cache:
-            return self._bin_cache[file][name]
-        with safe_open(file, "pt") as f:
-            return f.get_tensor(name)
+        if file.endswith(".bin"):
+            return self._load_bin(file)[name]
+        try:
+            return self._open(file).get_tensor(name)
+        except Exception as e:
+            raise ConversionError(f"cannot read {name} from {file}: {e}") from None
 
     def dtype(self) -> torch.dtype:
-        """dtype of the checkpoint's floating-point tensors (the first one found)."""
+        """dtype of the checkpoint's floating-point tensors (the first one found; headers only
+        for safetensors)."""
         for k in self.keys():
-            t = self.get(k)
-            if t.is_floating_point():
-                return t.dtype
-        raise ValueError(f"{self.path} has no floating-point tensors")
+            file = self._where[k]
+            if file.endswith(".safetensors"):
+                dtype = _ST_DTYPES.get(self._open(file).get_slice(k).get_dtype())
+            else:
+                dtype = self._load_bin(file)[k].dtype
+            if dtype is not None and dtype.is_floating_point:
+                return dtype
+        raise ConversionError(f"{self.path} has no floating-point tensors")
 
 
 def parse_size(text: str) -> int:
@@ -80,27 +119,46 @@ def parse_size(text: str) -> int:
     return int(t)
 
 
-def save_hf_tensors(tensors: dict[str, Tensor], out_dir: str, max_shard_size: int = 5 * 10**9) -> list[str]:
-    """Write sharded `model-0000i-of-0000n.safetensors` + `model.safetensors.index.json`."""
-    shards: list[dict[str, Tensor]] = [{}]
-    size = 0
-    for name, t in tensors.items():
-        n = t.numel() * t.element_size()
-        if shards[-1] and size + n > max_shard_size:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t.contiguous()
-        size += n
-    files, weight_map = [], {}
-    for i, shard in enumerate(shards, 1):
-        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, os.path.join(out_dir, file), metadata={"format": "pt"})
-        files.append(file)
-        weight_map.update({k: file for k in shard})
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-    return files
+class HFShardWriter:
+    """Streams tensors into `model-0000i-of-0000n.safetensors` files of at most `max_shard_size` bytes
+    (a tensor larger than that gets a shard of its own) and writes `model.safetensors.index.json`.
+    Holds at most one shard in memory."""
+
+    def __init__(self, out_dir: str, max_shard_size: int = 5 * 10**9):
+        self.out_dir, self.max_shard_size = out_dir, max_shard_size
+        self._pending: dict[str, Tensor] = {}
+        self._pending_bytes = 0
+        self._files: list[tuple[str, list[str]]] = []  # (temporary name, tensor names)
+        self.total_bytes = 0
+        self.count = 0
+
+    def add(self, name: str, tensor: Tensor) -> None:
+        n = tensor.numel() * tensor.element_size()
+        if self._pending and self._pending_bytes + n > self.max_shard_size:
+            self._flush()
+        self._pending[name] = tensor.contiguous()
+        self._pending_bytes += n
+        self.total_bytes += n
+        self.count += 1
+
+    def _flush(self) -> None:
+        tmp = f"shard-{len(self._files):05d}.safetensors.partial"
+        save_file(self._pending, os.path.join(self.out_dir, tmp), metadata={"format": "pt"})
+        self._files.append((tmp, list(self._pending)))
+        self._pending, self._pending_bytes = {}, 0
+
+    def close(self) -> list[str]:
+        if self._pending or not self._files:
+            self._flush()
+        names, weight_map = [], {}
+        for i, (tmp, keys) in enumerate(self._files, 1):
+            final = f"model-{i:05d}-of-{len(self._files):05d}.safetensors"
+            os.rename(os.path.join(self.out_dir, tmp), os.path.join(self.out_dir, final))
+            names.append(final)
+            weight_map.update(dict.fromkeys(keys, final))
+        with open(os.path.join(self.out_dir, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}, f, indent=2)
+        return names
 
 
 def copy_side_files(src: str, dst: str, names: Iterable[str] = SIDE_FILES) -> list[str]:

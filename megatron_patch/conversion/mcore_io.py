@@ -1,61 +1,135 @@
-"""megatron-core `torch_dist` checkpoints, written and read the way `megatron.training` does.
+"""megatron-core checkpoints, written and read the way `megatron.training` does, in both formats.
 
-A converted checkpoint folder looks like what `megatron.training --save` writes, plus the HF side
-files that make export self-contained:
+A converted checkpoint folder is what `megatron.training --save` writes, plus the HF side files that
+make export self-contained:
 
-    OUT/latest_checkpointed_iteration.txt   "release"
-    OUT/release/                            torch_dist shards (metadata.json, common.pt, *.distcp)
+    OUT/latest_checkpointed_iteration.txt   "release" (or the iteration, for training checkpoints)
+    OUT/release/                            torch_dist: metadata.json, .metadata, *.distcp
+                                            legacy: mp_rank_TT[_PPP]/model_optim_rng.pt, one per rank
     OUT/hf/                                 config.json, tokenizer and generation files of the source
-    OUT/megatron_patch.json                 family, impl, layout and dtype used by the converter
+    OUT/megatron_patch.json                 family, impl, layout, format, dtype and vocab padding
 
-torch_dist is reshardable: the stored tensors are global (TP/PP independent), keyed like
-megatron-core's `sharded_state_dict()`. The layout chosen at conversion decides the vocab padding
-and is stored as the checkpoint's `args` so `megatron.training --load` sees the intended TP/PP.
-The sharding metadata comes from the model itself: a `GPTModel` is built on the meta device (no
-memory) and its `sharded_state_dict()` is filled with the converted tensors.
+torch_dist is reshardable: tensors are stored whole, keyed like megatron-core's
+`sharded_state_dict()`, and both implementations use the same keys (megatron-core names the norms by
+their TE names in the local spec too). The layout chosen at conversion decides the vocab padding and is
+stored in the checkpoint's `args`. The sharding metadata comes from the model itself: a TP=PP=1
+`GPTModel` built on the meta device, its `sharded_state_dict()` filled with the converted tensors.
+
+legacy (Megatron-LM `--ckpt-format torch`) stores one `model_optim_rng.pt` per (TP, PP) rank holding that
+rank's `state_dict()` in the implementation's naming, plus `args`; it is written and read one pipeline
+stage at a time.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
+import re
 from argparse import Namespace
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from megatron_patch import patches
-from megatron_patch.conversion.engine import ConversionError, Plan, _names, hf_to_megatron, megatron_to_hf
+from megatron_patch.conversion.engine import (
+    ConversionError,
+    Plan,
+    Rank,
+    _names,
+    extra_state_names,
+    hf_to_megatron,
+    make_plan,
+    megatron_to_hf,
+)
 from megatron_patch.models.family import Layout, build_model, ensure_model_parallel
+from megatron_patch.models.registry import load_hf_config
 
 MANIFEST = "megatron_patch.json"
 HF_SUBDIR = "hf"
 TRACKER = "latest_checkpointed_iteration.txt"
+LEGACY_FILE = "model_optim_rng.pt"
+FORMATS = ("torch_dist", "legacy")
+_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
 
 
-def _template(plan: Plan, dtype: torch.dtype):
-    """The TP=PP=1 model's sharded state dict with the plan's vocab padding: on the meta device for
-    the local implementation (no memory); Transformer Engine modules copy data at construction, so
-    they are built uninitialised on the CPU."""
+# ---------------------------------------------------------------------------------------------
+# shared
+
+
+def _flat_plan(plan: Plan) -> Plan:
+    """The same conversion at TP=PP=1, keeping the plan's vocab padding (torch_dist is unsharded)."""
+    return make_plan(plan.hf_config, Layout(1, 1), "local", plan.family, plan.shapes.padded_vocab_size)
+
+
+def checkpoint_args(plan: Plan, fmt: str) -> Namespace:
+    """The `args` megatron.training stores and checks on `--load` (check_checkpoint_args): model
+    shape, layout and vocab padding, in Megatron-LM's argument names."""
+    arch = {k: v for k, v in plan.family.config_kwargs(plan.hf_config).items()
+            if isinstance(v, (bool, int, float, str))}
+    gpt = plan.family.gpt_kwargs(plan.hf_config)
+    position = gpt.get("position_embedding_type", "learned_absolute")
+    return Namespace(
+        **arch,
+        position_embedding_type=position,
+        add_position_embedding=position == "learned_absolute",
+        untie_embeddings_and_output_weights=not gpt.get("share_embeddings_and_output_weights", False),
+        max_position_embeddings=int(plan.hf_config.get("max_position_embeddings", 4096)),
+        tensor_model_parallel_size=plan.layout.tp,
+        pipeline_model_parallel_size=plan.layout.pp,
+        make_vocab_size_divisible_by=plan.layout.make_vocab_size_divisible_by,
+        padded_vocab_size=plan.shapes.padded_vocab_size,
+        transformer_impl=plan.impl,
+        ckpt_format="torch" if fmt == "legacy" else fmt,
+    )
+
+
+def write_tracker(out_dir: str) -> None:
+    with open(os.path.join(out_dir, TRACKER), "w") as f:
+        f.write("release")
+
+
+def checkpoint_step_dir(ckpt_dir: str) -> str:
+    """The folder holding the newest checkpoint: `release/` or `iter_XXXXXXX/` per the tracker file."""
+    tracker = os.path.join(ckpt_dir, TRACKER)
+    if not os.path.isdir(ckpt_dir):
+        raise FileNotFoundError(f"Megatron checkpoint folder {ckpt_dir} does not exist")
+    if not os.path.isfile(tracker):
+        raise FileNotFoundError(f"{ckpt_dir} is not a Megatron checkpoint folder (no {TRACKER})")
+    with open(tracker) as f:
+        step = f.read().strip()
+    if step != "release" and not step.isdigit():
+        raise ConversionError(f"{tracker} holds {step!r}, neither 'release' nor an iteration number")
+    path = os.path.join(ckpt_dir, "release" if step == "release" else f"iter_{int(step):07d}")
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{tracker} points to {path}, which does not exist")
+    return path
+
+
+def detect_format(step_dir: str) -> str:
+    if os.path.isfile(os.path.join(step_dir, "metadata.json")):
+        return "torch_dist"
+    if any(_RANK_DIR.match(n) for n in os.listdir(step_dir)):
+        return "legacy"
+    raise ConversionError(f"{step_dir} holds neither a torch_dist (metadata.json) nor a legacy (mp_rank_*) checkpoint")
+
+
+# ---------------------------------------------------------------------------------------------
+# torch_dist
+
+
+def _template(plan: Plan, dtype: torch.dtype) -> dict:
+    """A TP=PP=1 model's sharded state dict, on the meta device, with the plan's vocab padding."""
     ensure_model_parallel(1, 1)
-    with torch.device("meta") if plan.impl == "local" else contextlib.nullcontext():
+    with torch.device("meta"):
         model = build_model(
-            plan.hf_config, 1, 1, impl=plan.impl, dtype=dtype,
+            plan.hf_config, 1, 1, impl="local", dtype=dtype,
             padded_vocab_size=plan.shapes.padded_vocab_size, perform_initialization=False,
-            use_cpu_initialization=True,  # meta / CPU even when a GPU is present
+            use_cpu_initialization=True,  # stay on the meta device even when a GPU is present
         )
     return model.sharded_state_dict()
-
-
-def _unsharded_plan(plan: Plan) -> Plan:
-    """The same conversion at TP=PP=1 but with the target layout's vocab padding."""
-    from megatron_patch.conversion.engine import make_plan
-
-    layout = Layout(1, 1, plan.layout.make_vocab_size_divisible_by * plan.layout.tp)
-    return make_plan(plan.hf_config, layout, plan.impl, plan.family)
 
 
 def _bind(sharded: dict, tensors: dict[str, Tensor]) -> None:
@@ -80,55 +154,40 @@ def save_torch_dist(plan: Plan, get: Callable[[str], Tensor], hf_keys: Iterable[
     """Convert HF tensors (read by name through `get`) and write `out_dir/release` + the tracker."""
     from megatron.core import dist_checkpointing
 
-    flat = _unsharded_plan(plan)
-    tensors = hf_to_megatron(flat, get, hf_keys, dtype)[(0, 0)]
+    flat = _flat_plan(plan)
     sharded = _template(flat, dtype)
+    expected = {k: tuple(v.data.shape) for k, v in sharded.items() if not k.endswith("._extra_state")}
+    tensors = hf_to_megatron(flat, get, hf_keys, dtype, expected=expected)[(0, 0)]
     _bind(sharded, tensors)
     release = os.path.join(out_dir, "release")
     os.makedirs(release)
-    state = {
-        "model": sharded,
-        "checkpoint_version": 3.0,
-        "iteration": 0,
-        "args": _checkpoint_args(plan),
-    }
+    state = {"model": sharded, "checkpoint_version": 3.0, "iteration": 0,
+             "args": checkpoint_args(plan, "torch_dist")}
     with patches.applied("cpu_cuda_calls"):
         dist_checkpointing.save(state, release)
-    with open(os.path.join(out_dir, TRACKER), "w") as f:
-        f.write("release")
+    write_tracker(out_dir)
 
 
-def _checkpoint_args(plan: Plan) -> Namespace:
-    """The `args` megatron.training stores and checks on `--load` (check_checkpoint_args): model
-    shape, layout and vocab padding, in Megatron-LM's argument names."""
-    arch = {k: v for k, v in plan.family.config_kwargs(plan.hf_config).items()
-            if isinstance(v, (bool, int, float, str))}
-    gpt = plan.family.gpt_kwargs(plan.hf_config)
-    position = gpt.get("position_embedding_type", "learned_absolute")
-    return Namespace(
-        **arch,
-        position_embedding_type=position,
-        add_position_embedding=position == "learned_absolute",
-        untie_embeddings_and_output_weights=not gpt.get("share_embeddings_and_output_weights", False),
-        max_position_embeddings=int(plan.hf_config.get("max_position_embeddings", 4096)),
-        tensor_model_parallel_size=plan.layout.tp,
-        pipeline_model_parallel_size=plan.layout.pp,
-        make_vocab_size_divisible_by=plan.layout.make_vocab_size_divisible_by,
-        padded_vocab_size=plan.shapes.padded_vocab_size,
-        transformer_impl=plan.impl,
-        ckpt_format="torch_dist",
-    )
+def torch_dist_info(step_dir: str) -> tuple[torch.dtype, int, Namespace | None]:
+    """(stored dtype, embedding rows, stored args) from the checkpoint's metadata, no tensor data."""
+    from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta = FileSystemReader(step_dir).read_metadata()
+    md = meta.state_dict_metadata.get("embedding.word_embeddings.weight")
+    if md is None or not hasattr(md, "properties"):
+        raise ConversionError(f"{step_dir}: no embedding.word_embeddings.weight in the checkpoint")
+    common = dist_checkpointing.load_common_state_dict(step_dir)
+    return md.properties.dtype, int(md.size[0]), common.get("args")
 
 
-def load_torch_dist(plan: Plan, ckpt_dir: str, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
-    """Read a torch_dist checkpoint (converted or written by `megatron.training`) -> HF state dict.
-
+def load_torch_dist(plan: Plan, step_dir: str, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+    """A torch_dist checkpoint (converted, or written by `megatron.training`) -> HF state dict.
     Only model weights are read; optimizer and RNG state are ignored."""
     from megatron.core import dist_checkpointing
 
-    step_dir = checkpoint_step_dir(ckpt_dir)
-    flat = _unsharded_plan(plan)
-    stored_dtype = _stored_dtype(step_dir)
+    stored_dtype = torch_dist_info(step_dir)[0]
+    flat = _flat_plan(plan)
     sharded = _template(flat, stored_dtype)
     for name, sh in sharded.items():
         if not name.endswith("._extra_state"):
@@ -138,29 +197,144 @@ def load_torch_dist(plan: Plan, ckpt_dir: str, dtype: torch.dtype | None = None)
     return megatron_to_hf(flat, {(0, 0): tensors}, dtype)
 
 
-def checkpoint_step_dir(ckpt_dir: str) -> str:
-    """The folder holding the newest checkpoint: `release/` or `iter_XXXXXXX/` per the tracker file."""
-    tracker = os.path.join(ckpt_dir, TRACKER)
-    if not os.path.isfile(tracker):
-        raise FileNotFoundError(f"{ckpt_dir} is not a Megatron checkpoint folder (no {TRACKER})")
-    with open(tracker) as f:
-        step = f.read().strip()
-    sub = "release" if step == "release" else f"iter_{int(step):07d}"
-    path = os.path.join(ckpt_dir, sub)
-    if not os.path.isfile(os.path.join(path, "metadata.json")):
-        raise FileNotFoundError(f"{path} is not a torch_dist checkpoint (no metadata.json)")
-    return path
+# ---------------------------------------------------------------------------------------------
+# legacy (Megatron-LM per-rank files)
 
 
-def _stored_dtype(step_dir: str) -> torch.dtype:
-    """dtype of the stored weights, read from the DCP metadata (no tensor data is loaded)."""
-    from torch.distributed.checkpoint import FileSystemReader
+def legacy_rank_dir(step_dir: str, tp_rank: int, pp_rank: int, pp: int) -> str:
+    name = f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+    return os.path.join(step_dir, name)
 
-    meta = FileSystemReader(step_dir).read_metadata()
-    for key, md in meta.state_dict_metadata.items():
-        if key.startswith("embedding.") and hasattr(md, "properties"):
-            return md.properties.dtype
-    raise ConversionError(f"{step_dir}: no embedding tensor found in the checkpoint metadata")
+
+def save_legacy(plan: Plan, get: Callable[[str], Tensor], hf_keys: Iterable[str], out_dir: str,
+                dtype: torch.dtype | None, on_stage: Callable[[int], None] | None = None) -> None:
+    """Convert and write `out_dir/release/mp_rank_*/model_optim_rng.pt`, one pipeline stage at a time."""
+    hf_keys = list(hf_keys)
+    step_dir = os.path.join(out_dir, "release")
+    args = checkpoint_args(plan, "legacy")
+    for stage in range(plan.layout.pp):
+        ranks = hf_to_megatron(plan, get, hf_keys, dtype, stages=[stage])
+        extra = dict.fromkeys(extra_state_names(plan, stage))
+        for (t, p), sd in ranks.items():
+            folder = legacy_rank_dir(step_dir, t, p, plan.layout.pp)
+            os.makedirs(folder)
+            torch.save({"model": {**sd, **extra}, "args": args, "checkpoint_version": 3.0, "iteration": 0},
+                       os.path.join(folder, LEGACY_FILE))
+        del ranks
+        if on_stage:
+            on_stage(stage)
+    write_tracker(out_dir)
+
+
+def _safe_globals() -> list:
+    """Classes a legacy checkpoint may pickle besides tensors (megatron-core's own allow-list)."""
+    from megatron.core.safe_globals import SAFE_GLOBALS
+
+    return [Namespace, *SAFE_GLOBALS]
+
+
+def load_legacy_file(path: str) -> dict:
+    try:
+        with torch.serialization.safe_globals(_safe_globals()):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise
+    except Exception as e:  # truncated / corrupt pickle or zip
+        raise ConversionError(f"cannot read {path}: {e}") from None
+
+
+def legacy_layout(step_dir: str) -> tuple[int, int]:
+    """(TP, PP) from the rank folders; incomplete sets are an error naming the missing folders."""
+    ranks = []
+    for name in os.listdir(step_dir):
+        m = _RANK_DIR.match(name)
+        if m:
+            ranks.append((int(m.group(1)), int(m.group(2)) if m.group(2) is not None else None))
+    if not ranks:
+        raise ConversionError(f"{step_dir} has no mp_rank_* folders")
+    if len({p is None for _, p in ranks}) > 1:
+        raise ConversionError(f"{step_dir} mixes mp_rank_TT and mp_rank_TT_PPP folders")
+    tp = max(t for t, _ in ranks) + 1
+    pp = 1 if ranks[0][1] is None else max(p for _, p in ranks) + 1
+    missing = [os.path.basename(legacy_rank_dir(step_dir, t, p, pp))
+               for t in range(tp) for p in range(pp)
+               if not os.path.isfile(os.path.join(legacy_rank_dir(step_dir, t, p, pp), LEGACY_FILE))]
+    if missing:
+        raise ConversionError(f"incomplete legacy checkpoint {step_dir}: no {LEGACY_FILE} in {', '.join(missing)}")
+    return tp, pp
+
+
+def load_legacy_stage(step_dir: str, tp: int, pp: int, stage: int) -> dict[Rank, dict[str, Tensor]]:
+    return {(t, stage): load_legacy_file(os.path.join(legacy_rank_dir(step_dir, t, stage, pp), LEGACY_FILE))["model"]
+            for t in range(tp)}
+
+
+# ---------------------------------------------------------------------------------------------
+# reading any Megatron checkpoint folder
+
+
+@dataclass
+class MegatronCheckpoint:
+    """A Megatron checkpoint folder opened for reading: format, layout, naming and the HF config."""
+
+    path: str
+    step_dir: str
+    format: str
+    hf_config: dict
+    hf_side: str | None  # folder with config/tokenizer files to carry along, if any
+    impl: str
+    layout: Layout
+    padded_vocab_size: int
+    dtype: torch.dtype
+
+    @classmethod
+    def open(cls, path: str, hf_config: str | None = None) -> "MegatronCheckpoint":
+        """`hf_config` (a config.json or HF folder) is needed only for checkpoints not written by
+        megatron_patch (e.g. by `megatron.training`), which carry no `hf/` side folder."""
+        step_dir = checkpoint_step_dir(path)
+        fmt = detect_format(step_dir)
+        side = os.path.join(path, HF_SUBDIR)
+        if hf_config is not None:
+            cfg, hf_side = load_hf_config(hf_config), (hf_config if os.path.isdir(hf_config) else None)
+        elif os.path.isfile(os.path.join(side, "config.json")):
+            cfg, hf_side = load_hf_config(side), side
+        else:
+            raise ConversionError(f"{path} has no {HF_SUBDIR}/config.json (not converted by megatron_patch): "
+                                  "pass --hf-config with the model's HF config.json")
+        manifest = read_manifest(path) if os.path.isfile(os.path.join(path, MANIFEST)) else {}
+        divisible_by = int(manifest.get("make_vocab_size_divisible_by", 128))
+        if fmt == "torch_dist":
+            dtype, rows, args = torch_dist_info(step_dir)
+            tp = int(getattr(args, "tensor_model_parallel_size", 1))
+            pp = int(getattr(args, "pipeline_model_parallel_size", 1))
+            impl = manifest.get("impl") or getattr(args, "transformer_impl", None) or "local"
+        else:
+            tp, pp = legacy_layout(step_dir)
+            first = load_legacy_file(os.path.join(legacy_rank_dir(step_dir, 0, 0, pp), LEGACY_FILE))["model"]
+            emb = first.get("embedding.word_embeddings.weight")
+            if emb is None:
+                raise ConversionError(f"{legacy_rank_dir(step_dir, 0, 0, pp)}: no embedding.word_embeddings.weight")
+            dtype, rows = emb.dtype, emb.shape[0] * tp
+            te = any(k.endswith(".layer_norm_weight") for k in first)
+            impl = "transformer_engine" if te else "local"
+        return cls(path, step_dir, fmt, cfg, hf_side, impl, Layout(tp, pp, divisible_by), rows, dtype)
+
+    def plan(self) -> Plan:
+        return make_plan(self.hf_config, self.layout, self.impl, padded_vocab_size=self.padded_vocab_size)
+
+    def hf_chunks(self, dtype: torch.dtype | None = None) -> Iterator[dict[str, Tensor]]:
+        """The checkpoint as HF tensors, one pipeline stage at a time (torch_dist: all at once)."""
+        plan = self.plan()
+        if self.format == "torch_dist":
+            yield load_torch_dist(plan, self.step_dir, dtype)
+            return
+        for stage in range(self.layout.pp):
+            ranks = load_legacy_stage(self.step_dir, self.layout.tp, self.layout.pp, stage)
+            yield megatron_to_hf(plan, ranks, dtype, stages=[stage])
+
+
+# ---------------------------------------------------------------------------------------------
+# manifest and loading a model
 
 
 def write_manifest(out_dir: str, **fields: Any) -> None:
@@ -171,27 +345,34 @@ def write_manifest(out_dir: str, **fields: Any) -> None:
 def read_manifest(ckpt_dir: str) -> dict:
     path = os.path.join(ckpt_dir, MANIFEST)
     if not os.path.isfile(path):
-        raise FileNotFoundError(
-            f"{ckpt_dir} has no {MANIFEST}: not written by megatron_patch (pass the HF config explicitly)"
-        )
+        raise FileNotFoundError(f"{ckpt_dir} has no {MANIFEST}: not written by megatron_patch")
     with open(path) as f:
         return json.load(f)
 
 
 def load_megatron_model(ckpt_dir: str, tp: int = 1, pp: int = 1, impl: str | None = None,
-                        dtype: torch.dtype = torch.float32):
-    """Build this rank's `GPTModel` for a converted checkpoint and load its weights the way
-    `megatron.training` does (through the model's sharded state dict). Returns (model, hf_config)."""
+                        dtype: torch.dtype = torch.float32, hf_config: str | None = None):
+    """Build this rank's `GPTModel` for a Megatron checkpoint and load its weights: torch_dist the
+    way `megatron.training` does (through the model's sharded state dict, any layout); legacy
+    through the engine (any layout). Returns (model, hf_config)."""
     from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
 
-    from megatron_patch.models.registry import load_hf_config
+    from megatron_patch.conversion.engine import load_rank_state_dict
 
-    manifest = read_manifest(ckpt_dir)
-    hf_config = load_hf_config(os.path.join(ckpt_dir, HF_SUBDIR))
-    step_dir = checkpoint_step_dir(ckpt_dir)
+    ckpt = MegatronCheckpoint.open(ckpt_dir, hf_config)
+    impl = impl or ckpt.impl
     ensure_model_parallel(tp, pp)
-    model = build_model(hf_config, tp, pp, impl=impl or manifest["impl"], dtype=dtype,
-                        padded_vocab_size=manifest["padded_vocab_size"], perform_initialization=False)
-    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, step_dir)["model"]
-    model.load_state_dict(loaded, strict=True)
-    return model.eval(), hf_config
+    model = build_model(ckpt.hf_config, tp, pp, impl=impl, dtype=dtype,
+                        padded_vocab_size=ckpt.padded_vocab_size, perform_initialization=False)
+    if ckpt.format == "torch_dist":
+        loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, ckpt.step_dir)["model"]
+        model.load_state_dict(loaded, strict=True)
+    else:
+        hf = {k: v for chunk in ckpt.hf_chunks() for k, v in chunk.items()}
+        plan = make_plan(ckpt.hf_config, Layout(tp, pp, ckpt.layout.make_vocab_size_divisible_by), impl,
+                         padded_vocab_size=ckpt.padded_vocab_size)
+        rank = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank())
+        mine = hf_to_megatron(plan, hf.__getitem__, hf.keys(), dtype, stages=[rank[1]])[rank]
+        load_rank_state_dict(model, mine)
+    return model.eval(), ckpt.hf_config

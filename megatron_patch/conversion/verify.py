@@ -110,14 +110,14 @@ def default_tolerance(dtype: torch.dtype, impl: str) -> float:
 
 
 def verify(hf_dir: str, mcore_dir: str, tp: int = 1, pp: int = 1, dtype: torch.dtype = torch.float32,
-           tolerance: float | None = None, impl: str | None = None) -> dict:
+           tolerance: float | None = None, impl: str | None = None, hf_config: str | None = None) -> dict:
     """Run both models on fixed prompts; returns the metrics plus `ok` (max diff <= tolerance,
     default `default_tolerance`). `impl` overrides the implementation recorded at conversion
     (torch_dist checkpoints are implementation-independent)."""
     from megatron_patch.conversion.mcore_io import load_megatron_model
 
-    model, hf_config = load_megatron_model(mcore_dir, tp, pp, impl=impl, dtype=dtype)
-    vocab = int(hf_config["vocab_size"])
+    model, config = load_megatron_model(mcore_dir, tp, pp, impl=impl, dtype=dtype, hf_config=hf_config)
+    vocab = int(config["vocab_size"])
     ids = fixed_prompts(vocab)
     result = compare(hf_logits(hf_dir, ids, dtype), megatron_logits(model, ids, vocab))
     run_impl = model.config.transformer_impl

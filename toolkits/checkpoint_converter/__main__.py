@@ -1,4 +1,9 @@
-"""python -m toolkits.checkpoint_converter {hf-to-mcore, mcore-to-hf, verify} ...
+"""python -m toolkits.checkpoint_converter {hf-to-mcore, mcore-to-hf, mcore-to-mcore, verify} ...
+
+Formats: HF folders (safetensors, sharded or single, or pytorch_model*.bin); Megatron checkpoints in
+megatron-core `torch_dist` or Megatron-LM's legacy per-rank format (`--format legacy`), with `local` or
+`transformer_engine` parameter naming. Megatron checkpoints not written by this tool (e.g. by
+`megatron.training`) need `--hf-config` pointing at the model's HF config.json.
 
 Bad input (missing folders, unsupported architecture, a layout that does not divide the model, an
 existing --out without --overwrite) ends with one clear `error:` line, exit status 1, and no output.
@@ -14,7 +19,8 @@ import sys
 import traceback
 import warnings
 
-from megatron_patch.conversion.convert import DTYPES, hf_to_mcore, mcore_to_hf
+from megatron_patch.conversion.convert import DTYPES, hf_to_mcore, mcore_to_hf, mcore_to_mcore
+from megatron_patch.conversion.mcore_io import FORMATS
 from megatron_patch.conversion.hf_io import parse_size
 
 
@@ -31,6 +37,7 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--impl", "--transformer-impl", dest="impl", choices=["local", "transformer_engine"],
                    default="local")
     a.add_argument("--dtype", choices=sorted(DTYPES), help="default: the checkpoint's own")
+    a.add_argument("--format", "--ckpt-format", dest="format", choices=FORMATS, default="torch_dist")
     a.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     a.add_argument("--overwrite", action="store_true")
 
@@ -39,7 +46,20 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--out", required=True)
     b.add_argument("--dtype", choices=sorted(DTYPES), help="default: the checkpoint's own")
     b.add_argument("--max-shard-size", default="5GB")
+    b.add_argument("--hf-config", help="HF config.json or folder, for checkpoints without an hf/ folder")
     b.add_argument("--overwrite", action="store_true")
+
+    c = sub.add_parser("mcore-to-mcore", help="Megatron -> Megatron: other TP/PP, naming, format or dtype")
+    c.add_argument("--mcore-dir", required=True)
+    c.add_argument("--out", required=True)
+    c.add_argument("--tp", "--tensor-model-parallel-size", dest="tp", type=int, help="default: the source's")
+    c.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", type=int, help="default: the source's")
+    c.add_argument("--impl", "--transformer-impl", dest="impl", choices=["local", "transformer_engine"])
+    c.add_argument("--format", "--ckpt-format", dest="format", choices=FORMATS)
+    c.add_argument("--dtype", choices=sorted(DTYPES))
+    c.add_argument("--make-vocab-size-divisible-by", type=int)
+    c.add_argument("--hf-config", help="HF config.json or folder, for checkpoints without an hf/ folder")
+    c.add_argument("--overwrite", action="store_true")
 
     v = sub.add_parser("verify", help="compare HF and Megatron logits on fixed prompts (one JSON line)")
     v.add_argument("--hf-dir", required=True)
@@ -49,6 +69,7 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     v.add_argument("--impl", choices=["local", "transformer_engine"],
                    help="Megatron implementation to run (default: the one used at conversion)")
+    v.add_argument("--hf-config", help="HF config.json or folder, for checkpoints without an hf/ folder")
     v.add_argument("--tolerance", type=float, default=None,
                    help="max abs logit diff allowed (default 1e-4 in fp32; 5e-2 for Transformer "
                         "Engine in fp32, whose GEMMs run in TF32; 1.0 in bf16/fp16)")
@@ -62,20 +83,26 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "hf-to-mcore":
             result = hf_to_mcore(args.hf_dir, args.out, args.tp, args.pp, args.impl, args.dtype,
-                                 args.make_vocab_size_divisible_by, args.overwrite)
+                                 args.make_vocab_size_divisible_by, args.overwrite, args.format)
         elif args.command == "mcore-to-hf":
             result = mcore_to_hf(args.mcore_dir, args.out, args.dtype, parse_size(args.max_shard_size),
-                                 args.overwrite)
+                                 args.overwrite, args.hf_config)
+        elif args.command == "mcore-to-mcore":
+            result = mcore_to_mcore(args.mcore_dir, args.out, args.tp, args.pp, args.impl, args.format,
+                                    args.dtype, args.make_vocab_size_divisible_by, args.overwrite, args.hf_config)
         else:
             from megatron_patch.conversion.verify import verify
 
             result = verify(args.hf_dir, args.mcore_dir, args.tp, args.pp, DTYPES[args.dtype], args.tolerance,
-                            args.impl)
+                            args.impl, args.hf_config)
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         if os.environ.get("MEGATRON_PATCH_TRACEBACK"):
             traceback.print_exc()
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("error: interrupted; no output was left behind", file=sys.stderr)
+        return 130
     print(json.dumps(result))
     if args.command == "verify" and not result["ok"]:
         print(f"error: max abs logit diff {result['max_abs_logit_diff']:.3g} exceeds {result['tolerance']:g}",
