@@ -67,6 +67,13 @@ def install() -> None:
     # model-parallel initialisation; `torch.cuda.set_device` is a no-op.
     torch.cuda.device_count = lambda: 1  # type: ignore[assignment]
     torch.cuda.set_device = lambda device: None  # type: ignore[assignment]
+    # CUDA RNG state (training/checkpointing.py get_rng_state, tensor_parallel/random.py
+    # _set_cuda_rng_state on load): the CPU generator stands in for the GPU's.
+    torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()  # type: ignore[assignment]
+    torch.cuda.set_rng_state = lambda state, device="cuda": torch.set_rng_state(state)  # type: ignore[assignment]
+    from megatron.core.tensor_parallel import random as mc_random
+
+    mc_random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
     # The default causal mask of `megatron/core/transformer/utils.py` is built on "cuda": tests
     # always pass an explicit boolean mask instead (megatron_patch.conversion.verify.causal_mask).
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")

@@ -1,6 +1,6 @@
-"""A converted checkpoint loads through megatron.training's own `load_checkpoint` (the `--load` path),
-with and without `--finetune`, into a model at another layout than it was converted for, and the
-loaded model's logits match HF."""
+"""A converted checkpoint loads through megatron.training's own `load_checkpoint` (the `--load` path,
+strict), with and without `--finetune`, and the loaded model's logits match HF: torch_dist converted
+for TP2 x PP2 loaded at TP1 (reshardable), and the legacy per-rank format at its own layout."""
 
 import sys
 
@@ -12,8 +12,10 @@ from tests.models import hf_model, llama_config, save_hf
 from toolkits.checkpoint_converter.__main__ import main
 
 
-@pytest.mark.parametrize("finetune", [True, False])
-def test_megatron_training_load_checkpoint(cpu_megatron, tmp_path, monkeypatch, finetune):
+@pytest.mark.parametrize("fmt,layout,finetune", [
+    ("torch_dist", ("2", "2"), True), ("torch_dist", ("2", "2"), False), ("legacy", ("1", "1"), False),
+])
+def test_megatron_training_load_checkpoint(cpu_megatron, tmp_path, monkeypatch, fmt, layout, finetune):
     from megatron.training.arguments import parse_args
     from megatron.training.checkpointing import load_checkpoint
     from megatron.training.global_vars import set_args
@@ -21,8 +23,10 @@ def test_megatron_training_load_checkpoint(cpu_megatron, tmp_path, monkeypatch, 
     cfg = llama_config("tied")
     hf_dir = save_hf(hf_model(cfg), str(tmp_path / "hf"))
     mc = str(tmp_path / "mcore")
-    assert main(["hf-to-mcore", "--hf-dir", hf_dir, "--out", mc, "--tp", "2", "--pp", "2"]) == 0
-    argv = ["pretrain", "--load", mc, "--no-load-optim", "--no-load-rng", "--ckpt-format", "torch_dist",
+    assert main(["hf-to-mcore", "--hf-dir", hf_dir, "--out", mc, "--tp", layout[0], "--pp", layout[1],
+                 "--format", fmt]) == 0
+    argv = ["pretrain", "--load", mc, "--no-load-optim", "--no-load-rng",
+            "--ckpt-format", "torch" if fmt == "legacy" else fmt,
             "--num-layers", str(cfg["num_hidden_layers"]), "--hidden-size", str(cfg["hidden_size"]),
             "--num-attention-heads", str(cfg["num_attention_heads"]), "--seq-length", "32",
             "--micro-batch-size", "1", "--position-embedding-type", "rope", "--no-position-embedding",
@@ -30,7 +34,7 @@ def test_megatron_training_load_checkpoint(cpu_megatron, tmp_path, monkeypatch, 
     monkeypatch.setattr(sys, "argv", argv)
     args = parse_args()
     # what validate_args would derive for this run
-    args.world_size, args.data_parallel_size, args.use_dist_ckpt = 1, 1, True
+    args.world_size, args.data_parallel_size, args.use_dist_ckpt = 1, 1, fmt == "torch_dist"
     set_args(args)
     from megatron.core.num_microbatches_calculator import (
         destroy_num_microbatches_calculator,

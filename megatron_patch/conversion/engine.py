@@ -241,11 +241,13 @@ def megatron_to_hf(plan: Plan, state_dicts: MappingABC[Rank, MappingABC[str, Ten
 
 def extra_state_names(plan: Plan, stage: int) -> set[str]:
     """The `_extra_state` entries a stage's `state_dict()` holds (strict loading wants them): every
-    linear layer of a transformer layer keeps one (megatron-core's own linears too, for TE
-    compatibility), and Transformer Engine's core attention adds one. Checked against real models in
-    tests/unit/test_engine.py (local) and tests/gpu (TE)."""
+    linear layer keeps one (megatron-core's own linears too, for TE compatibility), the last stage's
+    output layer included (also when its weight is tied), and Transformer Engine's core attention
+    adds one per layer. Checked against real models in tests/test_formats.py (local) and tests/gpu (TE)."""
     names = {n.rsplit(".", 1)[0] + "._extra_state" for n in plan.megatron_names(stage)
              if n.startswith("decoder.layers.") and ".linear_" in n}
+    if stage == plan.layout.pp - 1:
+        names.add("output_layer._extra_state")
     if plan.impl == "transformer_engine":
         for layer in range(plan.layers_per_stage):
             names.add(f"decoder.layers.{layer}.self_attention.core_attention._extra_state")
