@@ -36,6 +36,9 @@ def test_megatron_training_load_checkpoint(cpu_megatron, tmp_path, monkeypatch, 
     # what validate_args would derive for this run
     args.world_size, args.data_parallel_size, args.use_dist_ckpt = 1, 1, fmt == "torch_dist"
     set_args(args)
+    from megatron.core.safe_globals import register_safe_globals
+
+    register_safe_globals()  # as initialize_megatron does (legacy checkpoints are torch.load-ed)
     from megatron.core.num_microbatches_calculator import (
         destroy_num_microbatches_calculator,
         init_num_microbatches_calculator,

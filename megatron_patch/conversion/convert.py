@@ -10,6 +10,7 @@ import errno
 import json
 import os
 import resource
+import shutil
 import time
 from collections.abc import Callable, Iterator
 
@@ -63,13 +64,51 @@ class _Meter:
                     peak_rss_gb=round(peak / 1e9, 3))
 
 
+_DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+# torch.save reports a failed write as a RuntimeError from its zip writer, not an OSError
+_DISK_FULL_TEXT = ("No space left on device", "File too large", "Disk quota exceeded", "unexpected pos",
+                   "file write failed")
+
+
+def _disk_full(e: BaseException) -> bool:
+    return (isinstance(e, OSError) and e.errno in _DISK_FULL_ERRNOS) or any(t in str(e) for t in _DISK_FULL_TEXT)
+
+
+def _can_still_write(folder: str, size: int = 1 << 20) -> bool:
+    """After a failed write whose cause got lost (torch_dist writes in worker processes): can this
+    folder take another MiB? If not, the disk (or quota) is full."""
+    probe = os.path.join(folder, f".megatron_patch_probe_{os.getpid()}")
+    try:
+        with open(probe, "wb") as f:
+            f.write(b"\0" * size)
+        return True
+    except OSError as e:
+        return e.errno not in _DISK_FULL_ERRNOS
+    finally:
+        if os.path.exists(probe):
+            os.remove(probe)
+
+
 def _disk_errors(fn: Callable[[], dict], out: str) -> dict:
+    """Run a conversion; a full disk (or quota) becomes one clear error. The atomic output folder has
+    already removed the partial output by then."""
     try:
         return fn()
-    except OSError as e:
-        if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
-            raise OSError(e.errno, f"out of disk space writing {out} ({e.strerror}); nothing was left behind") from None
+    except (KeyboardInterrupt, SystemExit):
         raise
+    except BaseException as e:  # DCP's CheckpointException derives from BaseException
+        if _disk_full(e) or not _can_still_write(os.path.dirname(os.path.abspath(out))):
+            raise OSError(errno.ENOSPC, f"out of disk space writing {out}; nothing was left behind ({e})") from None
+        raise
+
+
+def _check_free_space(out: str, needed: int) -> None:
+    """Refuse up front when the output's disk cannot hold the result (a 5% margin for metadata)."""
+    parent = os.path.dirname(os.path.abspath(out))
+    free = shutil.disk_usage(parent).free
+    if free < needed * 1.05:
+        raise OSError(errno.ENOSPC, f"not enough disk space for {out}: needs about {needed / 1e9:.2f} GB, "
+                                    f"{free / 1e9:.2f} GB free in {parent}")
 
 
 def _write_megatron(plan: Plan, get: Callable[[str], Tensor], keys: list[str], tmp: str, fmt: str,
@@ -102,6 +141,7 @@ def hf_to_mcore(hf_dir: str, out: str, tp: int = 1, pp: int = 1, impl: str = "lo
     ckpt = HFCheckpoint(hf_dir)
     target = DTYPES[dtype] if dtype else ckpt.dtype()
     keys = ckpt.keys()
+    _check_free_space(out, ckpt.nbytes(target))
 
     def run() -> dict:
         with atomic_output_dir(out, overwrite) as tmp:

@@ -36,6 +36,11 @@ class Placement(NamedTuple):
     def hf_names(self) -> tuple[str, ...]:
         return self.mapping.names(self.layer)[1]
 
+    @property
+    def canonical(self) -> str:
+        """Unsharded `local` name with the global layer index (a TP=PP=1 model's state-dict key)."""
+        return self.mapping.names(self.layer)[0]
+
 # Transformer Engine fuses the pre-attention / pre-MLP norms into the following linear layer.
 _TE_RENAMES = (
     (".input_layernorm.", ".self_attention.linear_qkv.layer_norm_"),
@@ -177,8 +182,8 @@ def hf_to_megatron(plan: Plan, get: Callable[[str], Tensor], hf_keys: Iterable[s
                    dtype: torch.dtype | None = None, stages: Iterable[int] | None = None,
                    expected: MappingABC[str, tuple[int, ...]] | None = None) -> dict[Rank, dict[str, Tensor]]:
     """HF tensors (read by name through `get`) -> {(tp_rank, pp_rank): state dict} for `stages`
-    (default all). `expected` (unsharded canonical name -> shape, e.g. from a meta model) turns a
-    tensor that does not fit the config into an error naming the HF tensor."""
+    (default all). `expected` (canonical name -> unsharded shape, e.g. a meta TP=PP=1 model's) turns
+    a tensor that does not fit the config into an error naming the HF tensor."""
     check_hf_keys(plan, hf_keys)
     stages = list(range(plan.layout.pp)) if stages is None else list(stages)
     out: dict[Rank, dict[str, Tensor]] = {(t, p): {} for t in range(plan.layout.tp) for p in stages}
@@ -194,7 +199,7 @@ def megatron_shards(plan: Plan, pl: Placement, hf: list[Tensor], dtype: torch.dt
     m = pl.mapping
     try:
         full = m.to_megatron(hf, plan.shapes)
-        want = expected.get(m.megatron) if expected is not None else None
+        want = expected.get(pl.canonical) if expected is not None else None
         if want is not None and tuple(full.shape) != tuple(want):
             raise ValueError(f"gives {pl.name} of shape {tuple(full.shape)}, the config needs {tuple(want)}")
     except (RuntimeError, ValueError) as e:

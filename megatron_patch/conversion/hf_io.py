@@ -4,6 +4,7 @@ and sharded safetensors writing with `model.safetensors.index.json`."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from collections.abc import Iterable
@@ -94,6 +95,21 @@ class HFCheckpoint:
             return self._open(file).get_tensor(name)
         except Exception as e:
             raise ConversionError(f"cannot read {name} from {file}: {e}") from None
+
+    def nbytes(self, dtype: torch.dtype | None = None) -> int:
+        """Size of all tensors (floating-point ones counted in `dtype` if given), from the headers."""
+        total = 0
+        for k in self.keys():
+            file = self._where[k]
+            if file.endswith(".safetensors"):
+                sl = self._open(file).get_slice(k)
+                shape, src = sl.get_shape(), _ST_DTYPES.get(sl.get_dtype())
+            else:
+                t = self._load_bin(file)[k]
+                shape, src = t.shape, t.dtype
+            itemsize = (dtype if dtype is not None and src is not None else src or torch.uint8).itemsize
+            total += math.prod(shape) * itemsize
+        return total
 
     def dtype(self) -> torch.dtype:
         """dtype of the checkpoint's floating-point tensors (the first one found; headers only

@@ -132,6 +132,12 @@ def _template(plan: Plan, dtype: torch.dtype) -> dict:
     return model.sharded_state_dict()
 
 
+def expected_shapes(plan: Plan) -> dict[str, tuple[int, ...]]:
+    """Canonical name -> unsharded shape, from a meta TP=PP=1 model of the plan's config."""
+    sharded = _template(_flat_plan(plan), torch.float32)
+    return {k: tuple(v.data.shape) for k, v in sharded.items() if not k.endswith("._extra_state")}
+
+
 def _bind(sharded: dict, tensors: dict[str, Tensor]) -> None:
     """Put converted tensors into the template's ShardedTensors, strictly by name and shape."""
     params = {k for k in sharded if not k.endswith("._extra_state")}
@@ -212,8 +218,9 @@ def save_legacy(plan: Plan, get: Callable[[str], Tensor], hf_keys: Iterable[str]
     hf_keys = list(hf_keys)
     step_dir = os.path.join(out_dir, "release")
     args = checkpoint_args(plan, "legacy")
+    expected = expected_shapes(plan)
     for stage in range(plan.layout.pp):
-        ranks = hf_to_megatron(plan, get, hf_keys, dtype, stages=[stage])
+        ranks = hf_to_megatron(plan, get, hf_keys, dtype, stages=[stage], expected=expected)
         extra = dict.fromkeys(extra_state_names(plan, stage))
         for (t, p), sd in ranks.items():
             folder = legacy_rank_dir(step_dir, t, p, plan.layout.pp)

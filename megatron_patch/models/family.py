@@ -212,28 +212,16 @@ def ensure_model_parallel(tp: int, pp: int) -> None:
     """Initialise a gloo world of one and TP=PP=1 model parallelism when nothing is set up yet
     (converter and verification tools; training sets up its own world). The RNG tracker is the
     inference one: these models only run forward passes."""
-    import os
-
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     if not dist.is_initialized():
         if tp * pp != 1:
             raise RuntimeError(f"TP={tp} x PP={pp} needs torch.distributed initialised (torchrun)")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        if "MASTER_PORT" not in os.environ:
-            os.environ["MASTER_PORT"] = str(_free_port())
-        dist.init_process_group("gloo", rank=0, world_size=1)
+        # an in-memory store: no port, nothing inherited by child processes
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     if not ps.model_parallel_is_initialized():
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
         model_parallel_cuda_manual_seed(0, inference_rng_tracker=True, force_reset_rng=True)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

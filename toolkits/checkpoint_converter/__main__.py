@@ -98,10 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         if os.environ.get("MEGATRON_PATCH_TRACEBACK"):
             traceback.print_exc()
-        print(f"error: {e}", file=sys.stderr)
+        print(f"\nerror: {e}", file=sys.stderr)  # newline: a progress bar may own the current line
         return 1
     except KeyboardInterrupt:
-        print("error: interrupted; no output was left behind", file=sys.stderr)
+        print("\nerror: interrupted; no output was left behind", file=sys.stderr)
         return 130
     print(json.dumps(result))
     if args.command == "verify" and not result["ok"]:
