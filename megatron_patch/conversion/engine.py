@@ -233,8 +233,15 @@ def megatron_to_hf(plan: Plan, state_dicts: MappingABC[Rank, MappingABC[str, Ten
     if absent:
         raise ConversionError(f"missing state dicts for (tp_rank, pp_rank) {absent}")
     check_megatron_keys(plan, {r: sd for r, sd in state_dicts.items() if r[1] in stages})
+    return placements_to_hf(plan, plan.placements(stages), state_dicts, dtype)
+
+
+def placements_to_hf(plan: Plan, placements: Iterable[Placement],
+                     state_dicts: MappingABC[Rank, MappingABC[str, Tensor]],
+                     dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+    """The HF tensors of some placements (no completeness check: callers stream a checkpoint)."""
     out: dict[str, Tensor] = {}
-    for pl in plan.placements(stages):
+    for pl in placements:
         if pl.copy:
             continue
         m = pl.mapping

@@ -22,6 +22,8 @@ stage at a time.
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import json
 import os
 import re
@@ -31,18 +33,33 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import Tensor
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    ReadItem,
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from megatron_patch import patches
 from megatron_patch.conversion.engine import (
     ConversionError,
     Plan,
     Rank,
     _names,
+    check_hf_keys,
     extra_state_names,
     hf_to_megatron,
     make_plan,
+    megatron_shards,
     megatron_to_hf,
+    placements_to_hf,
 )
 from megatron_patch.models.family import Layout, build_model, ensure_model_parallel
 from megatron_patch.models.registry import load_hf_config
@@ -138,40 +155,100 @@ def expected_shapes(plan: Plan) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.data.shape) for k, v in sharded.items() if not k.endswith("._extra_state")}
 
 
-def _bind(sharded: dict, tensors: dict[str, Tensor]) -> None:
-    """Put converted tensors into the template's ShardedTensors, strictly by name and shape."""
-    params = {k for k in sharded if not k.endswith("._extra_state")}
-    if params != set(tensors):
-        raise ConversionError(
-            f"converted tensors do not match the model: missing {_names(params - set(tensors)) or 'none'}; "
-            f"unexpected {_names(set(tensors) - params) or 'none'}"
-        )
-    for name in params:
-        sh, t = sharded[name], tensors[name]
-        if tuple(sh.data.shape) != tuple(t.shape):
-            raise ConversionError(f"{name}: shape {tuple(t.shape)} but the model expects {tuple(sh.data.shape)}")
-        sh.data = t
-        if hasattr(sh, "local_shape"):
-            sh.dtype = t.dtype
-
-
 def save_torch_dist(plan: Plan, get: Callable[[str], Tensor], hf_keys: Iterable[str], out_dir: str,
                     dtype: torch.dtype) -> None:
-    """Convert HF tensors (read by name through `get`) and write `out_dir/release` + the tracker."""
-    from megatron.core import dist_checkpointing
+    """Convert HF tensors (read by name through `get`) and write `out_dir/release` + the tracker,
+    streaming: one tensor is converted and written at a time.
+
+    The file layout is exactly megatron-core's (`dist_checkpointing.save` with the torch_dist
+    strategy): the same ShardedTensor keys, one chunk per layer, `_extra_state` objects and the
+    `common_state` object, written by torch.distributed.checkpoint. Only the order differs:
+    megatron-core materialises the whole state dict first; here each write item's data is computed
+    when the writer asks for it (`_LazySavePlanner.resolve_data`)."""
+    from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
 
     flat = _flat_plan(plan)
+    check_hf_keys(flat, hf_keys)
     sharded = _template(flat, dtype)
     expected = {k: tuple(v.data.shape) for k, v in sharded.items() if not k.endswith("._extra_state")}
-    tensors = hf_to_megatron(flat, get, hf_keys, dtype, expected=expected)[(0, 0)]
-    _bind(sharded, tensors)
+    placements = {pl.name: pl for pl in flat.placements()}
+    if set(placements) != set(expected):
+        raise ConversionError(f"weight map and model disagree: {_names(set(placements) ^ set(expected))}")
+    cache: dict[str, Tensor] = {}
+
+    def tensor(name: str) -> Tensor:
+        """The unsharded Megatron tensor `name`, converted on demand (the last one is kept: both
+        halves of a gated linear_fc1 are written one after the other)."""
+        if name not in cache:
+            cache.clear()
+            pl = placements[name]
+            cache[name] = megatron_shards(flat, pl, [get(h) for h in pl.hf_names], dtype, expected)[0]
+        return cache[name]
+
+    common = {"checkpoint_version": 3.0, "iteration": 0, "args": checkpoint_args(plan, "torch_dist")}
+    planner = _LazySavePlanner(sharded, tensor, common, dtype)
     release = os.path.join(out_dir, "release")
     os.makedirs(release)
-    state = {"model": sharded, "checkpoint_version": 3.0, "iteration": 0,
-             "args": checkpoint_args(plan, "torch_dist")}
-    with patches.applied("cpu_cuda_calls"):
-        dist_checkpointing.save(state, release)
+    writer = dcp.FileSystemWriter(release, single_file_per_rank=True, thread_count=1)
+    try:
+        dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
+    except CheckpointException as e:
+        # DCP wraps whatever our on-demand conversion raised (a bad tensor, Ctrl-C, a full disk)
+        raise next(iter(e.failures.values()))[0] from None
+    save_config(CheckpointingConfig("torch_dist", 1), release)
     write_tracker(out_dir)
+
+
+def _as_bytes(obj: Any) -> io.BytesIO:
+    buf = io.BytesIO()
+    torch.save([obj], buf)  # megatron-core stores a ShardedObject's data as torch.save([data])
+    return buf
+
+
+class _LazySavePlanner(DefaultSavePlanner):
+    """A torch.distributed.checkpoint planner over a megatron-core sharded state dict (meta tensors)
+    whose data is produced on demand by `tensor(state_dict_name)`."""
+
+    def __init__(self, sharded: dict, tensor: Callable[[str], Tensor], common: dict, dtype: torch.dtype):
+        from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
+
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self._items: list[WriteItem] = []
+        self._data: dict[MetadataIndex, Callable[[], Any]] = {}
+        for name, entry in sharded.items():
+            if isinstance(entry, ShardedObject):
+                self._add_object(entry.unique_key, entry.data)
+            elif isinstance(entry, ShardedTensorFactory):  # e.g. gated linear_fc1: two pieces
+                pieces = entry.build_fn(entry.key, entry.data, entry.replica_id, entry.flattened_range)
+                for i, piece in enumerate(pieces):
+                    self._add_tensor(piece, dtype, lambda n=name, e=entry, i=i: e.build_fn(
+                        e.key, tensor(n), e.replica_id, e.flattened_range)[i].data)
+            elif isinstance(entry, ShardedTensor):
+                self._add_tensor(entry, dtype, lambda n=name: tensor(n))
+            else:
+                raise ConversionError(f"{name}: unexpected {type(entry).__name__} in the sharded state dict")
+        self._add_object(ShardedObject("common_state", None, (1,), (0,)).unique_key, common)
+
+    def _add_tensor(self, sh: Any, dtype: torch.dtype, produce: Callable[[], Tensor]) -> None:
+        offsets = torch.Size(sh.global_offset)
+        sizes = torch.Size((1,) * sh.prepend_axis_num + tuple(sh.local_shape))
+        index = MetadataIndex(sh.key, offsets)
+        self._items.append(WriteItem(index=index, type=WriteItemType.SHARD, tensor_data=TensorWriteData(
+            chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
+            properties=TensorProperties(dtype=dtype), size=torch.Size(sh.global_shape))))
+        self._data[index] = lambda: produce().reshape(sizes)
+
+    def _add_object(self, key: str, obj: Any) -> None:
+        index = MetadataIndex(key)
+        self._items.append(WriteItem(index=index, type=WriteItemType.BYTE_IO))
+        self._data[index] = lambda: _as_bytes(obj)
+
+    def create_local_plan(self) -> SavePlan:
+        self.plan = SavePlan(self._items)
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem) -> Tensor | io.BytesIO:
+        return self._data[write_item.index]()
 
 
 def torch_dist_info(step_dir: str) -> tuple[torch.dtype, int, Namespace | None]:
@@ -187,20 +264,68 @@ def torch_dist_info(step_dir: str) -> tuple[torch.dtype, int, Namespace | None]:
     return md.properties.dtype, int(md.size[0]), common.get("args")
 
 
-def load_torch_dist(plan: Plan, step_dir: str, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
-    """A torch_dist checkpoint (converted, or written by `megatron.training`) -> HF state dict.
-    Only model weights are read; optimizer and RNG state are ignored."""
-    from megatron.core import dist_checkpointing
+class _ChunkLoadPlanner(DefaultLoadPlanner):
+    """Reads chosen chunks of a torch_dist checkpoint into given tensors (one layer at a time).
+    megatron-core's own loader wants every fragment of a layer-stacked tensor in one call when the
+    world has one process, so partial reads go through torch.distributed.checkpoint directly; any
+    stored chunking (one chunk per layer, or TP shards from a training run) is resharded by DCP."""
+
+    def __init__(self, requests: list[tuple[str, tuple[int, ...], Tensor]]):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self._requests = requests
+        self._dest: dict[tuple[str, tuple[int, ...]], Tensor] = {}
+
+    def create_local_plan(self) -> LoadPlan:
+        items = []
+        for key, offsets, dest in self._requests:
+            md = self.metadata.state_dict_metadata.get(key)
+            if md is None:
+                raise ConversionError(f"the checkpoint has no tensor {key}")
+            chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=dest.shape)
+            items += create_read_items_for_chunk_list(key, md, [chunk])
+            self._dest[(key, tuple(offsets))] = dest
+        self.plan = LoadPlan(items)
+        return self.plan
+
+    def resolve_tensor(self, read_item: ReadItem) -> Tensor:
+        t = self._dest[(read_item.dest_index.fqn, tuple(read_item.dest_index.offset))]
+        for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+            t = t.narrow(dim, start, length)
+        return t
+
+    def commit_tensor(self, read_item: ReadItem, tensor: Tensor) -> None:
+        pass  # read in place
+
+
+def load_torch_dist(plan: Plan, step_dir: str, dtype: torch.dtype | None = None) -> Iterator[dict[str, Tensor]]:
+    """A torch_dist checkpoint (converted, or written by `megatron.training`) -> HF tensors, streamed:
+    one transformer layer (or one non-layer tensor) is read at a time. Only model weights are read;
+    optimizer and RNG state are ignored. A tensor missing from the checkpoint is an error."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
 
     stored_dtype = torch_dist_info(step_dir)[0]
     flat = _flat_plan(plan)
     sharded = _template(flat, stored_dtype)
-    for name, sh in sharded.items():
+    placements = {pl.name: pl for pl in flat.placements()}
+    groups: dict[str, list[str]] = {}
+    for name in sharded:
         if not name.endswith("._extra_state"):
-            sh.data = torch.empty(sh.data.shape, dtype=stored_dtype)
-    loaded = dist_checkpointing.load({"model": sharded}, step_dir)["model"]
-    tensors = {k: v for k, v in loaded.items() if not k.endswith("._extra_state")}
-    return megatron_to_hf(flat, {(0, 0): tensors}, dtype)
+            m = re.match(r"decoder\.layers\.(\d+)\.", name)
+            groups.setdefault(m.group(0) if m else name, []).append(name)
+    reader = dcp.FileSystemReader(step_dir)
+    for names in groups.values():
+        tensors, requests = {}, []
+        for n in names:
+            entry = sharded[n]
+            tensors[n] = torch.empty(entry.data.shape, dtype=stored_dtype)
+            pieces = (entry.build_fn(entry.key, tensors[n], entry.replica_id, entry.flattened_range)
+                      if isinstance(entry, ShardedTensorFactory)
+                      else [dataclasses.replace(entry, data=tensors[n], dtype=stored_dtype)])
+            for sh in pieces:  # views of tensors[n]: reading a piece fills its part of the tensor
+                view = sh.data.view((1,) * sh.prepend_axis_num + tuple(sh.local_shape))
+                requests.append((sh.key, tuple(sh.global_offset), view))
+        dcp.load({}, storage_reader=reader, planner=_ChunkLoadPlanner(requests), no_dist=True)
+        yield placements_to_hf(flat, [placements[n] for n in names], {(0, 0): tensors}, dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -330,10 +455,10 @@ class MegatronCheckpoint:
         return make_plan(self.hf_config, self.layout, self.impl, padded_vocab_size=self.padded_vocab_size)
 
     def hf_chunks(self, dtype: torch.dtype | None = None) -> Iterator[dict[str, Tensor]]:
-        """The checkpoint as HF tensors, one pipeline stage at a time (torch_dist: all at once)."""
+        """The checkpoint as HF tensors: one pipeline stage (legacy) or one layer (torch_dist) at a time."""
         plan = self.plan()
         if self.format == "torch_dist":
-            yield load_torch_dist(plan, self.step_dir, dtype)
+            yield from load_torch_dist(plan, self.step_dir, dtype)
             return
         for stage in range(self.layout.pp):
             ranks = load_legacy_stage(self.step_dir, self.layout.tp, self.layout.pp, stage)
