@@ -57,11 +57,22 @@ class _Meter:
     def summary(self, **extra) -> dict:
         self.bar.close()
         seconds = time.time() - self.start
-        peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
-                   resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss) * 1024
         return dict(extra, tensors=self.tensors, bytes=self.bytes, seconds=round(seconds, 2),
                     gb_per_s=round(self.bytes / seconds / 1e9, 3) if seconds else None,
-                    peak_rss_gb=round(peak / 1e9, 3))
+                    peak_rss_gb=round(peak_rss_bytes() / 1e9, 3))
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size. Linux's VmHWM belongs to the process image (ru_maxrss
+    would report a parent's peak carried across fork+exec)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 _DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)

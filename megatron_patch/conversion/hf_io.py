@@ -68,6 +68,7 @@ class HFCheckpoint:
                     raise ConversionError(f"{file} lacks tensors its index assigns to it: {', '.join(absent[:5])}")
 
     def _open(self, file: str):
+        """The file's header (names, shapes, dtypes), opened once; tensors are read by `get`."""
         if file not in self._handles:
             try:
                 self._handles[file] = safe_open(file, "pt")
@@ -92,7 +93,10 @@ class HFCheckpoint:
         if file.endswith(".bin"):
             return self._load_bin(file)[name]
         try:
-            return self._open(file).get_tensor(name)
+            # A fresh mapping per tensor, dropped right after the copy: a long-lived mapping would
+            # keep every page read so far resident (counted in RSS) until the end.
+            with safe_open(file, "pt") as f:
+                return f.get_tensor(name)
         except Exception as e:
             raise ConversionError(f"cannot read {name} from {file}: {e}") from None
 
