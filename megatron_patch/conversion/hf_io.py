@@ -8,16 +8,16 @@ import math
 import os
 import shutil
 from collections.abc import Iterable
-from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
 from megatron_patch.conversion.engine import ConversionError
 
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+_ST_OTHER = {"I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+             "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 
 # Side files copied between HF folders and kept beside Megatron checkpoints.
 SIDE_FILES = (
@@ -29,16 +29,19 @@ SIDE_FILES = (
 
 class HFCheckpoint:
     """Tensors of an HF folder, opened lazily: `keys()` from the headers, `get(name)` reads one tensor.
-    Every file is opened (headers checked) up front, so a missing or truncated shard fails before any
-    output is written. Legacy `pytorch_model*.bin` files are read with `torch.load(weights_only=True)`
-    (a pickle cannot be read lazily: one file at a time is held)."""
+
+    Every safetensors header is read and checked against the file size up front, so a missing or
+    truncated shard fails before any output is written. Tensors are read with plain positioned reads
+    into a fresh buffer (no memory map: mapped pages would count in RSS next to the copy). Legacy
+    `pytorch_model*.bin` files are read with `torch.load(weights_only=True)`; a pickle cannot be read
+    lazily, so one such file at a time is held."""
 
     def __init__(self, path: str):
         if not os.path.isdir(path):
             raise FileNotFoundError(f"HF folder {path} does not exist")
         self.path = path
         self._where: dict[str, str] = {}
-        self._handles: dict[str, Any] = {}
+        self._headers: dict[str, tuple[int, dict]] = {}  # file -> (data start, header)
         self._bin: tuple[str, dict[str, Tensor]] | None = None
         index = os.path.join(path, "model.safetensors.index.json")
         single = os.path.join(path, "model.safetensors")
@@ -52,7 +55,7 @@ class HFCheckpoint:
                 raise FileNotFoundError(f"{index} names {', '.join(missing)}, which is missing")
             self._where = {k: os.path.join(path, v) for k, v in weight_map.items()}
         elif os.path.isfile(single):
-            self._where = dict.fromkeys(self._open(single).keys(), single)
+            self._where = dict.fromkeys(self._header(single), single)
         else:
             bins = sorted(n for n in os.listdir(path) if n.startswith("pytorch_model") and n.endswith(".bin"))
             if not bins:
@@ -62,19 +65,29 @@ class HFCheckpoint:
                 self._where.update(dict.fromkeys(self._load_bin(file), file))
         for file in sorted(set(self._where.values())):
             if file.endswith(".safetensors"):
-                present = set(self._open(file).keys())
+                present = self._header(file)
                 absent = [k for k, f in self._where.items() if f == file and k not in present]
                 if absent:
                     raise ConversionError(f"{file} lacks tensors its index assigns to it: {', '.join(absent[:5])}")
 
-    def _open(self, file: str):
-        """The file's header (names, shapes, dtypes), opened once; tensors are read by `get`."""
-        if file not in self._handles:
+    def _header(self, file: str) -> dict:
+        """The safetensors header (name -> dtype, shape, data_offsets), validated against the file size."""
+        if file not in self._headers:
             try:
-                self._handles[file] = safe_open(file, "pt")
-            except Exception as e:  # SafetensorError: truncated header or data
+                size = os.path.getsize(file)
+                with open(file, "rb") as f:
+                    n = int.from_bytes(f.read(8), "little")
+                    if not 0 < n <= min(size - 8, 100 << 20):
+                        raise ValueError(f"header length {n} does not fit a file of {size} bytes")
+                    header = json.loads(f.read(n))
+                header.pop("__metadata__", None)
+                end = max((v["data_offsets"][1] for v in header.values()), default=0)
+                if 8 + n + end > size:
+                    raise ValueError(f"data ends at byte {8 + n + end}, the file has {size}")
+            except (OSError, ValueError) as e:
                 raise ConversionError(f"cannot read {file} (truncated or corrupt?): {e}") from None
-        return self._handles[file]
+            self._headers[file] = (8 + n, header)
+        return self._headers[file][1]
 
     def _load_bin(self, file: str) -> dict[str, Tensor]:
         if self._bin is None or self._bin[0] != file:
@@ -88,42 +101,49 @@ class HFCheckpoint:
     def keys(self) -> list[str]:
         return list(self._where)
 
+    def _meta(self, name: str) -> tuple[list[int], torch.dtype | None]:
+        file = self._where[name]
+        if file.endswith(".bin"):
+            t = self._load_bin(file)[name]
+            return list(t.shape), t.dtype
+        entry = self._header(file)[name]
+        return entry["shape"], _ST_DTYPES.get(entry["dtype"])
+
     def get(self, name: str) -> Tensor:
         file = self._where[name]
         if file.endswith(".bin"):
             return self._load_bin(file)[name]
-        try:
-            # A fresh mapping per tensor, dropped right after the copy: a long-lived mapping would
-            # keep every page read so far resident (counted in RSS) until the end.
-            with safe_open(file, "pt") as f:
-                return f.get_tensor(name)
-        except Exception as e:
-            raise ConversionError(f"cannot read {name} from {file}: {e}") from None
+        self._header(file)
+        start, header = self._headers[file]
+        entry = header[name]
+        dtype = _ST_DTYPES.get(entry["dtype"]) or _ST_OTHER.get(entry["dtype"])
+        if dtype is None:
+            raise ConversionError(f"{file}: {name} has unsupported dtype {entry['dtype']}")
+        begin, end = entry["data_offsets"]
+        buf = torch.empty(end - begin, dtype=torch.uint8)
+        view, done = memoryview(buf.numpy()), 0
+        with open(file, "rb", buffering=0) as f:
+            f.seek(start + begin)
+            while done < len(view):
+                got = f.readinto(view[done:])
+                if not got:
+                    raise ConversionError(f"cannot read {name} from {file}: file ends early (truncated?)")
+                done += got
+        return buf.view(dtype).reshape(entry["shape"])
 
     def nbytes(self, dtype: torch.dtype | None = None) -> int:
         """Size of all tensors (floating-point ones counted in `dtype` if given), from the headers."""
         total = 0
         for k in self.keys():
-            file = self._where[k]
-            if file.endswith(".safetensors"):
-                sl = self._open(file).get_slice(k)
-                shape, src = sl.get_shape(), _ST_DTYPES.get(sl.get_dtype())
-            else:
-                t = self._load_bin(file)[k]
-                shape, src = t.shape, t.dtype
+            shape, src = self._meta(k)
             itemsize = (dtype if dtype is not None and src is not None else src or torch.uint8).itemsize
             total += math.prod(shape) * itemsize
         return total
 
     def dtype(self) -> torch.dtype:
-        """dtype of the checkpoint's floating-point tensors (the first one found; headers only
-        for safetensors)."""
+        """dtype of the checkpoint's floating-point tensors (the first one found; headers only)."""
         for k in self.keys():
-            file = self._where[k]
-            if file.endswith(".safetensors"):
-                dtype = _ST_DTYPES.get(self._open(file).get_slice(k).get_dtype())
-            else:
-                dtype = self._load_bin(file)[k].dtype
+            dtype = self._meta(k)[1]
             if dtype is not None and dtype.is_floating_point:
                 return dtype
         raise ConversionError(f"{self.path} has no floating-point tensors")

@@ -115,3 +115,23 @@ def test_converter_with_te_naming(world, tmp_path, capsys):
             assert value, impl
         else:
             assert value[0] == 0, (impl, run_impl, value[1])
+
+
+def test_legacy_te_checkpoint_loads_strictly(world, tmp_path):
+    """The legacy writer's `_extra_state` entries are exactly a TE model's (strict load_state_dict,
+    as megatron.training does for --ckpt-format torch)."""
+    from megatron_patch.conversion.mcore_io import LEGACY_FILE, load_legacy_file
+    from megatron_patch.models import build_model
+    from tests.models import hf_model, llama_config, save_hf
+    from toolkits.checkpoint_converter.__main__ import main
+
+    cfg = llama_config("gqa", **GPU_CFG)
+    hf_dir = save_hf(hf_model(cfg), str(tmp_path / "hf"))
+    mc = str(tmp_path / "legacy_te")
+    assert main(["hf-to-mcore", "--hf-dir", hf_dir, "--out", mc, "--format", "legacy",
+                 "--impl", "transformer_engine"]) == 0
+    sd = load_legacy_file(os.path.join(mc, "release", "mp_rank_00", LEGACY_FILE))["model"]
+    model = build_model(cfg, impl="transformer_engine")
+    want = set(model.state_dict())
+    _record(test="legacy_te_keys", missing=sorted(want - set(sd)), unexpected=sorted(set(sd) - want))
+    model.load_state_dict(sd, strict=True)
