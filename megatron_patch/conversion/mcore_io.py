@@ -27,6 +27,7 @@ import io
 import json
 import os
 import re
+import threading
 from argparse import Namespace
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -64,6 +65,7 @@ from megatron_patch.conversion.engine import (
 from megatron_patch.models.family import Layout, build_model, ensure_model_parallel
 from megatron_patch.models.registry import load_hf_config
 
+WRITE_THREADS = 2
 MANIFEST = "megatron_patch.json"
 HF_SUBDIR = "hf"
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -174,22 +176,18 @@ def save_torch_dist(plan: Plan, get: Callable[[str], Tensor], hf_keys: Iterable[
     placements = {pl.name: pl for pl in flat.placements()}
     if set(placements) != set(expected):
         raise ConversionError(f"weight map and model disagree: {_names(set(placements) ^ set(expected))}")
-    cache: dict[str, Tensor] = {}
 
-    def tensor(name: str) -> Tensor:
-        """The unsharded Megatron tensor `name`, converted on demand (the last one is kept: both
-        halves of a gated linear_fc1 are written one after the other)."""
-        if name not in cache:
-            cache.clear()
-            pl = placements[name]
-            cache[name] = megatron_shards(flat, pl, [get(h) for h in pl.hf_names], dtype, expected)[0]
-        return cache[name]
+    def convert(name: str) -> Tensor:
+        """The unsharded Megatron tensor `name`, converted from its HF tensors."""
+        pl = placements[name]
+        return megatron_shards(flat, pl, [get(h) for h in pl.hf_names], dtype, expected)[0]
 
     common = {"checkpoint_version": 3.0, "iteration": 0, "args": checkpoint_args(plan, "torch_dist")}
-    planner = _LazySavePlanner(sharded, tensor, common, dtype)
+    planner = _LazySavePlanner(sharded, convert, common, dtype)
     release = os.path.join(out_dir, "release")
     os.makedirs(release)
-    writer = dcp.FileSystemWriter(release, single_file_per_rank=True, thread_count=1)
+    # two writer threads (two .distcp files): one converts while the other writes
+    writer = dcp.FileSystemWriter(release, single_file_per_rank=True, thread_count=WRITE_THREADS)
     try:
         dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
     except CheckpointException as e:
@@ -207,27 +205,44 @@ def _as_bytes(obj: Any) -> io.BytesIO:
 
 class _LazySavePlanner(DefaultSavePlanner):
     """A torch.distributed.checkpoint planner over a megatron-core sharded state dict (meta tensors)
-    whose data is produced on demand by `tensor(state_dict_name)`."""
+    whose data is produced on demand by `convert(state_dict_name)`. A converted tensor is kept only
+    until all its pieces (two for a gated linear_fc1) have been handed to the writer threads."""
 
-    def __init__(self, sharded: dict, tensor: Callable[[str], Tensor], common: dict, dtype: torch.dtype):
+    def __init__(self, sharded: dict, convert: Callable[[str], Tensor], common: dict, dtype: torch.dtype):
         from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self._items: list[WriteItem] = []
         self._data: dict[MetadataIndex, Callable[[], Any]] = {}
+        self._convert, self._lock = convert, threading.Lock()
+        self._cache: dict[str, Tensor] = {}
+        self._pending: dict[str, int] = {}
+        tensor = self._tensor
         for name, entry in sharded.items():
             if isinstance(entry, ShardedObject):
                 self._add_object(entry.unique_key, entry.data)
             elif isinstance(entry, ShardedTensorFactory):  # e.g. gated linear_fc1: two pieces
                 pieces = entry.build_fn(entry.key, entry.data, entry.replica_id, entry.flattened_range)
+                self._pending[name] = len(pieces)
                 for i, piece in enumerate(pieces):
                     self._add_tensor(piece, dtype, lambda n=name, e=entry, i=i: e.build_fn(
                         e.key, tensor(n), e.replica_id, e.flattened_range)[i].data)
             elif isinstance(entry, ShardedTensor):
+                self._pending[name] = 1
                 self._add_tensor(entry, dtype, lambda n=name: tensor(n))
             else:
                 raise ConversionError(f"{name}: unexpected {type(entry).__name__} in the sharded state dict")
         self._add_object(ShardedObject("common_state", None, (1,), (0,)).unique_key, common)
+
+    def _tensor(self, name: str) -> Tensor:
+        with self._lock:
+            t = self._cache.get(name)
+            if t is None:
+                t = self._cache[name] = self._convert(name)
+            self._pending[name] -= 1
+            if not self._pending[name]:
+                del self._cache[name]
+        return t
 
     def _add_tensor(self, sh: Any, dtype: torch.dtype, produce: Callable[[], Tensor]) -> None:
         offsets = torch.Size(sh.global_offset)
