@@ -9,16 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from megatron_patch.conversion.hf_io import read_all
 from tests.models import hf_model, llama_config, save_hf
 from toolkits.checkpoint_converter.__main__ import main
-
-
-def _hf_tensors(folder: str) -> dict:
-    out = {}
-    for name in sorted(os.listdir(folder)):
-        if name.endswith(".safetensors"):
-            out.update(load_file(os.path.join(folder, name)))
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +46,7 @@ def test_round_trip_bitwise(converted):
     assert main(["mcore-to-hf", "--mcore-dir", mc, "--out", out, "--max-shard-size", "200KB"]) == 0
     index = json.load(open(os.path.join(out, "model.safetensors.index.json")))
     assert len(set(index["weight_map"].values())) > 1  # sharded
-    a, b = _hf_tensors(hf_dir), _hf_tensors(out)
+    a, b = read_all(hf_dir), read_all(out)
     assert set(a) == set(b)
     for k in a:
         assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
@@ -80,7 +73,7 @@ def test_bf16_conversion(converted):
     assert main(["hf-to-mcore", "--hf-dir", hf_dir, "--out", mc, "--dtype", "bf16"]) == 0
     out = str(root / "hf_bf16")
     assert main(["mcore-to-hf", "--mcore-dir", mc, "--out", out]) == 0
-    a, b = _hf_tensors(hf_dir), _hf_tensors(out)
+    a, b = read_all(hf_dir), read_all(out)
     assert all(b[k].dtype == torch.bfloat16 and torch.equal(a[k].to(torch.bfloat16), b[k]) for k in a)
 
 

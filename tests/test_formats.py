@@ -8,23 +8,13 @@ import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from megatron_patch.conversion.engine import extra_state_names, make_plan
+from megatron_patch.conversion.hf_io import read_all
 from megatron_patch.conversion.mcore_io import LEGACY_FILE, load_legacy_file
 from megatron_patch.models import Layout
 from tests.models import hf_model, llama_config, save_hf
 from toolkits.checkpoint_converter.__main__ import main
-
-
-def _hf_tensors(folder: str) -> dict:
-    out = {}
-    for name in sorted(os.listdir(folder)):
-        if name.endswith(".safetensors"):
-            out.update(load_file(os.path.join(folder, name)))
-        elif name.endswith(".bin"):
-            out.update(torch.load(os.path.join(folder, name), weights_only=True))
-    return out
 
 
 def _assert_same(a: dict, b: dict):
@@ -47,7 +37,7 @@ def src(tmp_path_factory, cpu_megatron):
     bin_dir.mkdir()
     torch.save(model.state_dict(), bin_dir / "pytorch_model.bin")
     (bin_dir / "config.json").write_text(open(os.path.join(hf, "config.json")).read())
-    return root, hf, str(bin_dir), _hf_tensors(hf)
+    return root, hf, str(bin_dir), read_all(hf)
 
 
 def test_bin_to_legacy_tp2pp2_to_hf(src):
@@ -59,7 +49,7 @@ def test_bin_to_legacy_tp2pp2_to_hf(src):
     assert state["args"].tensor_model_parallel_size == 2 and state["checkpoint_version"] == 3.0
     assert "decoder.final_layernorm.weight" in state["model"]
     _ok("mcore-to-hf", "--mcore-dir", str(root / "leg"), "--out", str(root / "leg_hf"))
-    _assert_same(ref, _hf_tensors(str(root / "leg_hf")))
+    _assert_same(ref, read_all(str(root / "leg_hf")))
 
 
 def test_legacy_to_torch_dist_to_legacy_te_to_hf(src):
@@ -80,10 +70,10 @@ def test_legacy_to_torch_dist_to_legacy_te_to_hf(src):
     local = load_legacy_file(str(root / "local2" / "release" / "mp_rank_01" / LEGACY_FILE))["model"]
     assert "decoder.layers.3.input_layernorm.weight" in local
     _ok("mcore-to-hf", "--mcore-dir", str(root / "local2"), "--out", str(root / "back"))
-    _assert_same(ref, _hf_tensors(str(root / "back")))
+    _assert_same(ref, read_all(str(root / "back")))
     # and the torch_dist in the middle exports bitwise too
     _ok("mcore-to-hf", "--mcore-dir", str(root / "dist"), "--out", str(root / "dist_hf"))
-    _assert_same(ref, _hf_tensors(str(root / "dist_hf")))
+    _assert_same(ref, read_all(str(root / "dist_hf")))
 
 
 def test_legacy_verifies(src, capsys):
@@ -103,7 +93,7 @@ def test_sharded_safetensors_input(src):
     assert len([n for n in os.listdir(sharded) if n.endswith(".safetensors")]) > 2
     _ok("hf-to-mcore", "--hf-dir", str(sharded), "--out", str(root / "d2"), "--tp", "2", "--format", "legacy")
     _ok("mcore-to-hf", "--mcore-dir", str(root / "d2"), "--out", str(root / "d2_hf"))
-    _assert_same(ref, _hf_tensors(str(root / "d2_hf")))
+    _assert_same(ref, read_all(str(root / "d2_hf")))
 
 
 @pytest.mark.parametrize("variant", ["gqa", "tied"])
@@ -151,4 +141,4 @@ def test_checkpoint_written_by_megatron_training(src, tmp_path, monkeypatch, fmt
     out = str(tmp_path / "exported")
     assert main(["mcore-to-hf", "--mcore-dir", save_dir, "--out", out]) == 1  # no hf/ folder: must say so
     _ok("mcore-to-hf", "--mcore-dir", save_dir, "--out", out, "--hf-config", hf)
-    _assert_same(ref, _hf_tensors(out))
+    _assert_same(ref, read_all(out))

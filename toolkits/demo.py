@@ -18,8 +18,7 @@ import sys
 import time
 
 import torch
-from safetensors.torch import load_file
-
+from megatron_patch.conversion.hf_io import read_all
 from megatron_patch.models.registry import load_hf_config
 from megatron_patch.testing import TINY_LLAMA, random_hf_model
 
@@ -31,14 +30,6 @@ def _cli(*args: str) -> dict:
     if proc.returncode != 0:
         raise SystemExit(f"demo failed: {' '.join(args[:1])} exited {proc.returncode}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def _tensors(folder: str) -> dict:
-    out = {}
-    for name in sorted(os.listdir(folder)):
-        if name.endswith(".safetensors"):
-            out.update(load_file(os.path.join(folder, name)))
-    return out
 
 
 def main() -> int:
@@ -58,7 +49,7 @@ def main() -> int:
     conv = _cli("hf-to-mcore", "--hf-dir", hf_dir, "--out", mc_dir, "--tp", str(args.tp), "--pp", str(args.pp))
     ver = _cli("verify", "--hf-dir", hf_dir, "--mcore-dir", mc_dir)
     _cli("mcore-to-hf", "--mcore-dir", mc_dir, "--out", back_dir)
-    a, b = _tensors(hf_dir), _tensors(back_dir)
+    a, b = read_all(hf_dir), read_all(back_dir)
     identical = set(a) == set(b) and all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
 
     params = sum(t.numel() for t in a.values())

@@ -188,11 +188,7 @@ def mcore_to_hf(mcore_dir: str, out: str, dtype: str | None = None, max_shard_si
                 for name in sorted(chunk):
                     writer.add(name, chunk[name])
             files = writer.close()
-            if src.hf_side:
-                copy_side_files(src.hf_side, tmp)
-            else:
-                with open(os.path.join(tmp, "config.json"), "w") as f:
-                    json.dump(src.hf_config, f, indent=2)
+            _copy_hf_side(src, tmp)
             if target is not None:
                 _set_config_dtype(os.path.join(tmp, "config.json"), dtype)
         return meter.summary(family=plan.family.name, format=src.format, shards=len(files),
@@ -220,15 +216,20 @@ def mcore_to_mcore(mcore_dir: str, out: str, tp: int | None = None, pp: int | No
             hf = {k: v for chunk in _hf_chunks(src, None, meter) for k, v in chunk.items()}
             _write_megatron(plan, hf.__getitem__, list(hf), tmp, fmt, target)
             os.makedirs(os.path.join(tmp, HF_SUBDIR))
-            if src.hf_side:
-                copy_side_files(src.hf_side, os.path.join(tmp, HF_SUBDIR))
-            else:
-                with open(os.path.join(tmp, HF_SUBDIR, "config.json"), "w") as f:
-                    json.dump(src.hf_config, f, indent=2)
+            _copy_hf_side(src, os.path.join(tmp, HF_SUBDIR))
             fields = _manifest(plan, fmt, target, tmp)
         return meter.summary(**fields, out=os.path.abspath(out))
 
     return _disk_errors(run, out)
+
+
+def _copy_hf_side(src: MegatronCheckpoint, dst: str) -> None:
+    """The source's config/tokenizer/generation files, or just its config when it has none."""
+    if src.hf_side:
+        copy_side_files(src.hf_side, dst)
+    else:
+        with open(os.path.join(dst, "config.json"), "w") as f:
+            json.dump(src.hf_config, f, indent=2)
 
 
 def _set_config_dtype(config_path: str, name: str) -> None:

@@ -149,6 +149,12 @@ class HFCheckpoint:
         raise ConversionError(f"{self.path} has no floating-point tensors")
 
 
+def read_all(path: str) -> dict[str, Tensor]:
+    """Every tensor of an HF folder (small models: demos, tests, checks)."""
+    ckpt = HFCheckpoint(path)
+    return {k: ckpt.get(k) for k in ckpt.keys()}
+
+
 def parse_size(text: str) -> int:
     """'5GB' / '500MB' / '1024' -> bytes."""
     units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "B": 1}

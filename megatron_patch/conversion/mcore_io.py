@@ -151,9 +151,11 @@ def _template(plan: Plan, dtype: torch.dtype) -> dict:
     return model.sharded_state_dict()
 
 
-def expected_shapes(plan: Plan) -> dict[str, tuple[int, ...]]:
-    """Canonical name -> unsharded shape, from a meta TP=PP=1 model of the plan's config."""
-    sharded = _template(_flat_plan(plan), torch.float32)
+def expected_shapes(plan: Plan, sharded: dict | None = None) -> dict[str, tuple[int, ...]]:
+    """Canonical name -> unsharded shape, from a meta TP=PP=1 model of the plan's config (or its
+    already-built sharded state dict)."""
+    if sharded is None:
+        sharded = _template(_flat_plan(plan), torch.float32)
     return {k: tuple(v.data.shape) for k, v in sharded.items() if not k.endswith("._extra_state")}
 
 
@@ -172,7 +174,7 @@ def save_torch_dist(plan: Plan, get: Callable[[str], Tensor], hf_keys: Iterable[
     flat = _flat_plan(plan)
     check_hf_keys(flat, hf_keys)
     sharded = _template(flat, dtype)
-    expected = {k: tuple(v.data.shape) for k, v in sharded.items() if not k.endswith("._extra_state")}
+    expected = expected_shapes(flat, sharded)
     placements = {pl.name: pl for pl in flat.placements()}
     if set(placements) != set(expected):
         raise ConversionError(f"weight map and model disagree: {_names(set(placements) ^ set(expected))}")

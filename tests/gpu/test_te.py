@@ -83,8 +83,7 @@ def test_te_spec_matches_hf_and_local(world, dtype):
 
 
 def test_converter_with_te_naming(world, tmp_path, capsys):
-    from safetensors.torch import load_file
-
+    from megatron_patch.conversion.hf_io import read_all
     from tests.models import hf_model, llama_config, save_hf
     from toolkits.checkpoint_converter.__main__ import main
 
@@ -103,11 +102,7 @@ def test_converter_with_te_naming(world, tmp_path, capsys):
         back = str(tmp_path / f"back_{impl}")
         code = main(["mcore-to-hf", "--mcore-dir", mc, "--out", back])
         assert code == 0, capsys.readouterr().err[-3000:]
-        a = load_file(os.path.join(hf_dir, "model.safetensors"))
-        b = {}
-        for n in os.listdir(back):
-            if n.endswith(".safetensors"):
-                b.update(load_file(os.path.join(back, n)))
+        a, b = read_all(hf_dir), read_all(back)
         rows[(impl, "roundtrip_bitwise")] = set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
     _record(test="converter_te", results={f"{k[0]}->{k[1]}": v for k, v in rows.items()})
     for (impl, run_impl), value in rows.items():
