@@ -21,6 +21,7 @@ from tqdm import tqdm
 from megatron_patch.conversion.atomic import atomic_output_dir
 from megatron_patch.conversion.engine import ConversionError, Plan, make_plan
 from megatron_patch.conversion.hf_io import HFCheckpoint, HFShardWriter, copy_side_files
+from megatron_patch.conversion.manifest import TensorLog
 from megatron_patch.conversion.mcore_io import (
     FORMATS,
     HF_SUBDIR,
@@ -124,12 +125,15 @@ def _check_free_space(out: str, needed: int) -> None:
 
 def _write_megatron(plan: Plan, get: Callable[[str], Tensor], keys: list[str], tmp: str, fmt: str,
                     dtype: torch.dtype | None) -> None:
+    """Write the checkpoint and its per-tensor manifest (`tensors.json`)."""
+    log = TensorLog()
     if fmt == "torch_dist":
-        save_torch_dist(plan, get, keys, tmp, dtype)
+        save_torch_dist(plan, get, keys, tmp, dtype, log)
     elif fmt == "legacy":
-        save_legacy(plan, get, keys, tmp, dtype)
+        save_legacy(plan, get, keys, tmp, dtype, log)
     else:
         raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
+    log.write(tmp)
 
 
 def _manifest(plan: Plan, fmt: str, dtype: torch.dtype, tmp: str) -> dict:
@@ -183,11 +187,13 @@ def mcore_to_hf(mcore_dir: str, out: str, dtype: str | None = None, max_shard_si
     def run() -> dict:
         with atomic_output_dir(out, overwrite) as tmp:
             meter = _Meter(len(plan.hf_names()), f"mcore-to-hf ({src.format})")
-            writer = HFShardWriter(tmp, max_shard_size)
+            log = TensorLog()
+            writer = HFShardWriter(tmp, max_shard_size, log)
             for chunk in _hf_chunks(src, target, meter):
                 for name in sorted(chunk):
                     writer.add(name, chunk[name])
             files = writer.close()
+            log.write(tmp)
             _copy_hf_side(src, tmp)
             if target is not None:
                 _set_config_dtype(os.path.join(tmp, "config.json"), dtype)

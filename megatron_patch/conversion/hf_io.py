@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from megatron_patch.conversion.engine import ConversionError
+from megatron_patch.conversion.manifest import TensorLog
 
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 _ST_OTHER = {"I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -170,8 +171,8 @@ class HFShardWriter:
     (a tensor larger than that gets a shard of its own) and writes `model.safetensors.index.json`.
     Holds at most one shard in memory."""
 
-    def __init__(self, out_dir: str, max_shard_size: int = 5 * 10**9):
-        self.out_dir, self.max_shard_size = out_dir, max_shard_size
+    def __init__(self, out_dir: str, max_shard_size: int = 5 * 10**9, log: TensorLog | None = None):
+        self.out_dir, self.max_shard_size, self.log = out_dir, max_shard_size, log
         self._pending: dict[str, Tensor] = {}
         self._pending_bytes = 0
         self._files: list[tuple[str, list[str]]] = []  # (temporary name, tensor names)
@@ -183,6 +184,8 @@ class HFShardWriter:
         if self._pending and self._pending_bytes + n > self.max_shard_size:
             self._flush()
         self._pending[name] = tensor.contiguous()
+        if self.log is not None:
+            self.log.add(name, self._pending[name])
         self._pending_bytes += n
         self.total_bytes += n
         self.count += 1

@@ -62,6 +62,7 @@ from megatron_patch.conversion.engine import (
     megatron_to_hf,
     placements_to_hf,
 )
+from megatron_patch.conversion.manifest import TensorLog
 from megatron_patch.models.family import Layout, build_model, ensure_model_parallel
 from megatron_patch.models.registry import load_hf_config
 
@@ -160,7 +161,7 @@ def expected_shapes(plan: Plan, sharded: dict | None = None) -> dict[str, tuple[
 
 
 def save_torch_dist(plan: Plan, get: Callable[[str], Tensor], hf_keys: Iterable[str], out_dir: str,
-                    dtype: torch.dtype) -> None:
+                    dtype: torch.dtype, log: TensorLog | None = None) -> None:
     """Convert HF tensors (read by name through `get`) and write `out_dir/release` + the tracker,
     streaming: one tensor is converted and written at a time.
 
@@ -185,7 +186,7 @@ def save_torch_dist(plan: Plan, get: Callable[[str], Tensor], hf_keys: Iterable[
         return megatron_shards(flat, pl, [get(h) for h in pl.hf_names], dtype, expected)[0]
 
     common = {"checkpoint_version": 3.0, "iteration": 0, "args": checkpoint_args(plan, "torch_dist")}
-    planner = _LazySavePlanner(sharded, convert, common, dtype)
+    planner = _LazySavePlanner(sharded, convert, common, dtype, log)
     release = os.path.join(out_dir, "release")
     os.makedirs(release)
     # two writer threads (two .distcp files): one converts while the other writes
@@ -195,6 +196,11 @@ def save_torch_dist(plan: Plan, get: Callable[[str], Tensor], hf_keys: Iterable[
     except CheckpointException as e:
         # DCP wraps whatever our on-demand conversion raised (a bad tensor, Ctrl-C, a full disk)
         raise next(iter(e.failures.values()))[0] from None
+    # a writer thread that died of a BaseException leaves its items out without failing the save
+    stored = dcp.FileSystemReader(release).read_metadata().storage_data
+    missing = [item.index.fqn for item in planner.plan.items if item.index not in stored]
+    if missing:
+        raise ConversionError(f"incomplete torch_dist write, {len(missing)} items missing: {_names(set(missing))}")
     save_config(CheckpointingConfig("torch_dist", 1), release)
     write_tracker(out_dir)
 
@@ -210,13 +216,14 @@ class _LazySavePlanner(DefaultSavePlanner):
     whose data is produced on demand by `convert(state_dict_name)`. A converted tensor is kept only
     until all its pieces (two for a gated linear_fc1) have been handed to the writer threads."""
 
-    def __init__(self, sharded: dict, convert: Callable[[str], Tensor], common: dict, dtype: torch.dtype):
+    def __init__(self, sharded: dict, convert: Callable[[str], Tensor], common: dict, dtype: torch.dtype,
+                 log: TensorLog | None = None):
         from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self._items: list[WriteItem] = []
         self._data: dict[MetadataIndex, Callable[[], Any]] = {}
-        self._convert, self._lock = convert, threading.Lock()
+        self._convert, self._lock, self._log = convert, threading.Lock(), log
         self._cache: dict[str, Tensor] = {}
         self._pending: dict[str, int] = {}
         tensor = self._tensor
@@ -253,7 +260,13 @@ class _LazySavePlanner(DefaultSavePlanner):
         self._items.append(WriteItem(index=index, type=WriteItemType.SHARD, tensor_data=TensorWriteData(
             chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
             properties=TensorProperties(dtype=dtype), size=torch.Size(sh.global_shape))))
-        self._data[index] = lambda: produce().reshape(sizes)
+        label = f"{sh.key}@{','.join(map(str, offsets))}"
+
+        def data() -> Tensor:
+            t = produce().reshape(sizes)
+            return self._log.add(label, t) if self._log is not None else t
+
+        self._data[index] = data
 
     def _add_object(self, key: str, obj: Any) -> None:
         index = MetadataIndex(key)
@@ -355,7 +368,7 @@ def legacy_rank_dir(step_dir: str, tp_rank: int, pp_rank: int, pp: int) -> str:
 
 
 def save_legacy(plan: Plan, get: Callable[[str], Tensor], hf_keys: Iterable[str], out_dir: str,
-                dtype: torch.dtype | None, on_stage: Callable[[int], None] | None = None) -> None:
+                dtype: torch.dtype | None, log: TensorLog | None = None) -> None:
     """Convert and write `out_dir/release/mp_rank_*/model_optim_rng.pt`, one pipeline stage at a time."""
     hf_keys = list(hf_keys)
     step_dir = os.path.join(out_dir, "release")
@@ -367,11 +380,12 @@ def save_legacy(plan: Plan, get: Callable[[str], Tensor], hf_keys: Iterable[str]
         for (t, p), sd in ranks.items():
             folder = legacy_rank_dir(step_dir, t, p, plan.layout.pp)
             os.makedirs(folder)
+            if log is not None:
+                for name, t in sd.items():
+                    log.add(f"{os.path.basename(folder)}/{name}", t)
             torch.save({"model": {**sd, **extra}, "args": args, "checkpoint_version": 3.0, "iteration": 0},
                        os.path.join(folder, LEGACY_FILE))
         del ranks
-        if on_stage:
-            on_stage(stage)
     write_tracker(out_dir)
 
 
