@@ -160,7 +160,8 @@ def hf_to_mcore(hf_dir: str, out: str, tp: int = 1, pp: int = 1, impl: str = "lo
 
     def run() -> dict:
         with atomic_output_dir(out, overwrite) as tmp:
-            meter = _Meter(len(keys), f"hf-to-mcore ({fmt})")
+            # the legacy writer reads each stage once per TP rank (one rank file in memory)
+            meter = _Meter(len(keys) * (tp if fmt == "legacy" else 1), f"hf-to-mcore ({fmt})")
             _write_megatron(plan, lambda k: meter.count(ckpt.get(k)), keys, tmp, fmt, target)
             os.makedirs(os.path.join(tmp, HF_SUBDIR))
             copy_side_files(hf_dir, os.path.join(tmp, HF_SUBDIR))

@@ -180,22 +180,26 @@ def check_hf_keys(plan: Plan, hf_keys: Iterable[str]) -> None:
 
 def hf_to_megatron(plan: Plan, get: Callable[[str], Tensor], hf_keys: Iterable[str],
                    dtype: torch.dtype | None = None, stages: Iterable[int] | None = None,
-                   expected: MappingABC[str, tuple[int, ...]] | None = None) -> dict[Rank, dict[str, Tensor]]:
-    """HF tensors (read by name through `get`) -> {(tp_rank, pp_rank): state dict} for `stages`
-    (default all). `expected` (canonical name -> unsharded shape, e.g. a meta TP=PP=1 model's) turns
-    a tensor that does not fit the config into an error naming the HF tensor."""
+                   expected: MappingABC[str, tuple[int, ...]] | None = None,
+                   tp_ranks: Iterable[int] | None = None) -> dict[Rank, dict[str, Tensor]]:
+    """HF tensors (read by name through `get`) -> {(tp_rank, pp_rank): state dict} for `stages` and
+    `tp_ranks` (default all). `expected` (canonical name -> unsharded shape, e.g. a meta TP=PP=1
+    model's) turns a tensor that does not fit the config into an error naming the HF tensor."""
     check_hf_keys(plan, hf_keys)
     stages = list(range(plan.layout.pp)) if stages is None else list(stages)
-    out: dict[Rank, dict[str, Tensor]] = {(t, p): {} for t in range(plan.layout.tp) for p in stages}
+    tp_ranks = list(range(plan.layout.tp)) if tp_ranks is None else list(tp_ranks)
+    out: dict[Rank, dict[str, Tensor]] = {(t, p): {} for t in tp_ranks for p in stages}
     for pl in plan.placements(stages):
-        for t, shard in enumerate(megatron_shards(plan, pl, [get(h) for h in pl.hf_names], dtype, expected)):
-            out[(t, pl.stage)][pl.name] = shard
+        shards = megatron_shards(plan, pl, [get(h) for h in pl.hf_names], dtype, expected)
+        for t in tp_ranks:
+            out[(t, pl.stage)][pl.name] = _own(shards[t])
     return out
 
 
 def megatron_shards(plan: Plan, pl: Placement, hf: list[Tensor], dtype: torch.dtype | None,
                     expected: MappingABC[str, tuple[int, ...]] | None = None) -> list[Tensor]:
-    """One placement's HF tensors -> its per-TP-rank Megatron tensors."""
+    """One placement's HF tensors -> its per-TP-rank Megatron tensors (views: callers that keep a
+    shard copy it out with `_own`)."""
     m = pl.mapping
     try:
         full = m.to_megatron(hf, plan.shapes)
@@ -207,7 +211,7 @@ def megatron_shards(plan: Plan, pl: Placement, hf: list[Tensor], dtype: torch.dt
         raise ConversionError(f"{shapes}: does not fit the {plan.family.name} config ({e})") from None
     if dtype is not None:
         full = full.to(dtype)
-    return [_own(s) for s in m.shard(full, plan.layout.tp, plan.shapes)]
+    return m.shard(full, plan.layout.tp, plan.shapes)
 
 
 def check_megatron_keys(plan: Plan, state_dicts: MappingABC[Rank, MappingABC[str, Tensor]]) -> None:

@@ -369,23 +369,24 @@ def legacy_rank_dir(step_dir: str, tp_rank: int, pp_rank: int, pp: int) -> str:
 
 def save_legacy(plan: Plan, get: Callable[[str], Tensor], hf_keys: Iterable[str], out_dir: str,
                 dtype: torch.dtype | None, log: TensorLog | None = None) -> None:
-    """Convert and write `out_dir/release/mp_rank_*/model_optim_rng.pt`, one pipeline stage at a time."""
+    """Convert and write `out_dir/release/mp_rank_*/model_optim_rng.pt`, one rank file at a time:
+    memory holds one rank's tensors, at the price of reading a stage's HF tensors once per TP rank."""
     hf_keys = list(hf_keys)
     step_dir = os.path.join(out_dir, "release")
     args = checkpoint_args(plan, "legacy")
     expected = expected_shapes(plan)
     for stage in range(plan.layout.pp):
-        ranks = hf_to_megatron(plan, get, hf_keys, dtype, stages=[stage], expected=expected)
         extra = dict.fromkeys(extra_state_names(plan, stage))
-        for (t, p), sd in ranks.items():
-            folder = legacy_rank_dir(step_dir, t, p, plan.layout.pp)
+        for tp_rank in range(plan.layout.tp):
+            sd = hf_to_megatron(plan, get, hf_keys, dtype, [stage], expected, [tp_rank])[(tp_rank, stage)]
+            folder = legacy_rank_dir(step_dir, tp_rank, stage, plan.layout.pp)
             os.makedirs(folder)
             if log is not None:
-                for name, t in sd.items():
-                    log.add(f"{os.path.basename(folder)}/{name}", t)
+                for name, tensor in sd.items():
+                    log.add(f"{os.path.basename(folder)}/{name}", tensor)
             torch.save({"model": {**sd, **extra}, "args": args, "checkpoint_version": 3.0, "iteration": 0},
                        os.path.join(folder, LEGACY_FILE))
-        del ranks
+            del sd
     write_tracker(out_dir)
 
 
