@@ -55,11 +55,11 @@ from megatron_patch.conversion.engine import (
     Rank,
     _names,
     check_hf_keys,
+    check_megatron_keys,
     extra_state_names,
     hf_to_megatron,
     make_plan,
     megatron_shards,
-    megatron_to_hf,
     placements_to_hf,
 )
 from megatron_patch.conversion.manifest import TensorLog
@@ -487,14 +487,21 @@ class MegatronCheckpoint:
         return make_plan(self.hf_config, self.layout, self.impl, padded_vocab_size=self.padded_vocab_size)
 
     def hf_chunks(self, dtype: torch.dtype | None = None) -> Iterator[dict[str, Tensor]]:
-        """The checkpoint as HF tensors: one pipeline stage (legacy) or one layer (torch_dist) at a time."""
+        """The checkpoint as HF tensors, one layer at a time (legacy: the stage's rank files are held
+    while its layers are converted; torch_dist: only the layer is read)."""
         plan = self.plan()
         if self.format == "torch_dist":
             yield from load_torch_dist(plan, self.step_dir, dtype)
             return
         for stage in range(self.layout.pp):
             ranks = load_legacy_stage(self.step_dir, self.layout.tp, self.layout.pp, stage)
-            yield megatron_to_hf(plan, ranks, dtype, stages=[stage])
+            check_megatron_keys(plan, ranks)
+            groups: dict[int | None, list] = {}
+            for pl in plan.placements([stage]):
+                groups.setdefault(pl.layer, []).append(pl)
+            for group in groups.values():  # one layer's HF tensors at a time next to the stage
+                yield placements_to_hf(plan, group, ranks, dtype)
+            del ranks
 
 
 # ---------------------------------------------------------------------------------------------
