@@ -209,7 +209,8 @@ def mcore_to_mcore(mcore_dir: str, out: str, tp: int | None = None, pp: int | No
                    make_vocab_size_divisible_by: int | None = None, overwrite: bool = False,
                    hf_config: str | None = None) -> dict:
     """Megatron -> Megatron with another layout / naming / format / dtype, without an HF folder.
-    Unset options keep the source's value. Holds the model once in memory."""
+    Unset options keep the source's value. Streams: the writer pulls tensors from the source one
+    Megatron tensor at a time (a legacy source holds one pipeline stage)."""
     src = MegatronCheckpoint.open(mcore_dir, hf_config)
     layout = Layout(tp or src.layout.tp, pp or src.layout.pp,
                     make_vocab_size_divisible_by or src.layout.make_vocab_size_divisible_by)
@@ -220,8 +221,8 @@ def mcore_to_mcore(mcore_dir: str, out: str, tp: int | None = None, pp: int | No
     def run() -> dict:
         with atomic_output_dir(out, overwrite) as tmp:
             meter = _Meter(len(plan.hf_names()), f"mcore-to-mcore ({src.format} -> {fmt})")
-            hf = {k: v for chunk in _hf_chunks(src, None, meter) for k, v in chunk.items()}
-            _write_megatron(plan, hf.__getitem__, list(hf), tmp, fmt, target)
+            get, keys = src.hf_getter()
+            _write_megatron(plan, lambda k: meter.count(get(k)), keys, tmp, fmt, target)
             os.makedirs(os.path.join(tmp, HF_SUBDIR))
             _copy_hf_side(src, os.path.join(tmp, HF_SUBDIR))
             fields = _manifest(plan, fmt, target, tmp)

@@ -51,6 +51,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from megatron_patch.conversion.engine import (
     ConversionError,
+    Placement,
     Plan,
     Rank,
     _names,
@@ -327,35 +328,40 @@ class _ChunkLoadPlanner(DefaultLoadPlanner):
         pass  # read in place
 
 
-def load_torch_dist(plan: Plan, step_dir: str, dtype: torch.dtype | None = None) -> Iterator[dict[str, Tensor]]:
-    """A torch_dist checkpoint (converted, or written by `megatron.training`) -> HF tensors, streamed:
-    one transformer layer (or one non-layer tensor) is read at a time. Only model weights are read;
-    optimizer and RNG state are ignored. A tensor missing from the checkpoint is an error."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+class TorchDistReader:
+    """Reads chosen Megatron tensors (state-dict names of a TP=PP=1 model) from a torch_dist
+    checkpoint, converted or written by `megatron.training`; only model weights are read.
+    A tensor missing from the checkpoint is an error."""
 
-    stored_dtype = torch_dist_info(step_dir)[0]
-    flat = _flat_plan(plan)
-    sharded = _template(flat, stored_dtype)
-    placements = {pl.name: pl for pl in flat.placements()}
-    groups: dict[str, list[str]] = {}
-    for name in sharded:
-        if not name.endswith("._extra_state"):
-            m = re.match(r"decoder\.layers\.(\d+)\.", name)
-            groups.setdefault(m.group(0) if m else name, []).append(name)
-    reader = dcp.FileSystemReader(step_dir)
-    for names in groups.values():
+    def __init__(self, flat: Plan, step_dir: str):
+        self.dtype = torch_dist_info(step_dir)[0]
+        self.sharded = _template(flat, self.dtype)
+        self._reader = dcp.FileSystemReader(step_dir)
+
+    def layer_groups(self) -> list[list[str]]:
+        """Parameter names grouped by transformer layer (non-layer tensors alone)."""
+        groups: dict[str, list[str]] = {}
+        for name in self.sharded:
+            if not name.endswith("._extra_state"):
+                m = re.match(r"decoder\.layers\.(\d+)\.", name)
+                groups.setdefault(m.group(0) if m else name, []).append(name)
+        return list(groups.values())
+
+    def read(self, names: list[str]) -> dict[str, Tensor]:
+        from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
         tensors, requests = {}, []
         for n in names:
-            entry = sharded[n]
-            tensors[n] = torch.empty(entry.data.shape, dtype=stored_dtype)
+            entry = self.sharded[n]
+            tensors[n] = torch.empty(entry.data.shape, dtype=self.dtype)
             pieces = (entry.build_fn(entry.key, tensors[n], entry.replica_id, entry.flattened_range)
                       if isinstance(entry, ShardedTensorFactory)
-                      else [dataclasses.replace(entry, data=tensors[n], dtype=stored_dtype)])
+                      else [dataclasses.replace(entry, data=tensors[n], dtype=self.dtype)])
             for sh in pieces:  # views of tensors[n]: reading a piece fills its part of the tensor
                 view = sh.data.view((1,) * sh.prepend_axis_num + tuple(sh.local_shape))
                 requests.append((sh.key, tuple(sh.global_offset), view))
-        dcp.load({}, storage_reader=reader, planner=_ChunkLoadPlanner(requests), no_dist=True)
-        yield placements_to_hf(flat, [placements[n] for n in names], {(0, 0): tensors}, dtype)
+        dcp.load({}, storage_reader=self._reader, planner=_ChunkLoadPlanner(requests), no_dist=True)
+        return tensors
 
 
 # ---------------------------------------------------------------------------------------------
@@ -486,12 +492,51 @@ class MegatronCheckpoint:
     def plan(self) -> Plan:
         return make_plan(self.hf_config, self.layout, self.impl, padded_vocab_size=self.padded_vocab_size)
 
-    def hf_chunks(self, dtype: torch.dtype | None = None) -> Iterator[dict[str, Tensor]]:
-        """The checkpoint as HF tensors, one layer at a time (legacy: the stage's rank files are held
-    while its layers are converted; torch_dist: only the layer is read)."""
+    def hf_getter(self) -> tuple[Callable[[str], Tensor], list[str]]:
+        """Random access to the checkpoint as HF tensors: (get(name), names). Reads the Megatron
+        tensor behind the requested name (torch_dist: just its chunks; legacy: its stage's rank
+        files, one stage held at a time) and keeps that tensor's HF tensors for the next requests
+        (q, k and v come from one linear_qkv). Not thread-safe: callers serialise."""
         plan = self.plan()
         if self.format == "torch_dist":
-            yield from load_torch_dist(plan, self.step_dir, dtype)
+            plan = _flat_plan(plan)
+            reader = TorchDistReader(plan, self.step_dir)
+
+            def source(pl: Placement) -> dict[Rank, dict[str, Tensor]]:
+                return {(0, 0): reader.read([pl.name])}
+        else:
+            stage_cache: dict[int, dict[Rank, dict[str, Tensor]]] = {}
+
+            def source(pl: Placement) -> dict[Rank, dict[str, Tensor]]:
+                if pl.stage not in stage_cache:
+                    stage_cache.clear()
+                    ranks = load_legacy_stage(self.step_dir, self.layout.tp, self.layout.pp, pl.stage)
+                    check_megatron_keys(plan, ranks)
+                    stage_cache[pl.stage] = ranks
+                return stage_cache[pl.stage]
+
+        index = {h: pl for pl in plan.placements() if not pl.copy for h in pl.hf_names}
+        last: dict[str, Tensor] = {}
+
+        def get(name: str) -> Tensor:
+            if name not in last:
+                pl = index[name]
+                last.clear()
+                last.update(placements_to_hf(plan, [pl], source(pl)))
+            return last[name]
+
+        return get, list(index)
+
+    def hf_chunks(self, dtype: torch.dtype | None = None) -> Iterator[dict[str, Tensor]]:
+        """The checkpoint as HF tensors, one layer at a time (legacy: the stage's rank files are held
+        while its layers are converted; torch_dist: only the layer is read)."""
+        plan = self.plan()
+        if self.format == "torch_dist":
+            flat = _flat_plan(plan)
+            reader = TorchDistReader(flat, self.step_dir)
+            placements = {pl.name: pl for pl in flat.placements()}
+            for names in reader.layer_groups():
+                yield placements_to_hf(flat, [placements[n] for n in names], {(0, 0): reader.read(names)}, dtype)
             return
         for stage in range(self.layout.pp):
             ranks = load_legacy_stage(self.step_dir, self.layout.tp, self.layout.pp, stage)
