@@ -153,7 +153,7 @@ def main() -> None:
                   flush=True)
         if not args.keep:
             shutil.rmtree(root)
-    print(f"\n| shape | conversion | size GB | seconds | GB/s | % of disk write ceiling | peak RSS GB |")
+    print("\n| shape | conversion | size GB | seconds | GB/s | % of disk write ceiling | peak RSS GB |")
     print("|---|---|---|---|---|---|---|")
     for shape, label, size, r in rows:
         print(f"| {shape} | {label} | {size / GB:.2f} | {r['seconds']:.1f} | {r['gb_per_s']:.2f} | "

@@ -21,7 +21,6 @@ from megatron_patch.models.family import (
 )
 from megatron_patch.models.mappings import (
     QKV,
-    ColumnParallel,
     Drop,
     GatedMLP,
     Mapping,
