@@ -22,11 +22,33 @@ LLAMA_VARIANTS: dict[str, dict] = {
 }
 
 
+# name -> overrides turning the tiny LLaMA into another LLaMA-shaped family
+FAMILY_VARIANTS: dict[str, dict] = {
+    "qwen2": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "tie_word_embeddings": True,
+              "head_dim": None, "rope_theta": 1000000.0, "use_sliding_window": False},
+    "qwen2_untied": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "head_dim": None},
+    "qwen3": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 16,
+              "tie_word_embeddings": True},
+    "qwen3_untied": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "num_key_value_heads": 4},
+}
+
+
+def family_config(variant: str, **extra) -> dict:
+    """A tiny config of another family (see FAMILY_VARIANTS); None values drop the key."""
+    cfg = {**llama_config(), **FAMILY_VARIANTS[variant], **extra}
+    return {k: v for k, v in cfg.items() if v is not None}
+
+
 def llama_config(variant: str = "gqa", **extra) -> dict:
     cfg = load_hf_config(TINY_LLAMA)
     cfg.update(LLAMA_VARIANTS[variant])
     cfg.update(extra)
     return cfg
+
+
+def any_config(variant: str) -> dict:
+    """A LLaMA variant or another family's tiny config, by name."""
+    return llama_config(variant) if variant in LLAMA_VARIANTS else family_config(variant)
 
 
 def save_hf(model, path: str) -> str:

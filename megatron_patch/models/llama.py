@@ -36,10 +36,19 @@ _MCORE_LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
 
 
 class LlamaFamily(ModelFamily):
+    """Also the base of the LLaMA-shaped families (Qwen2/Qwen3, ...), which override the three
+    facts below."""
+
     name = "llama"
     architectures = ("LlamaForCausalLM",)
+    model_type = "llama"
 
-    def _biases(self, c: Any) -> bool:
+    def qkv_bias(self, c: Any) -> bool:
+        """Biases on q/k/v (megatron-core `add_qkv_bias`)."""
+        return self.linear_bias(c)
+
+    def linear_bias(self, c: Any) -> bool:
+        """Biases on every linear layer (megatron-core `add_bias_linear`: o_proj and the MLP too)."""
         attn, mlp = bool(cfg_get(c, "attention_bias", False)), bool(cfg_get(c, "mlp_bias", False))
         if attn != mlp:
             raise UnsupportedConfig(
@@ -48,13 +57,16 @@ class LlamaFamily(ModelFamily):
             )
         return attn
 
+    def qk_layernorm(self, c: Any) -> bool:
+        """Per-head RMSNorm of queries and keys before rotary (Qwen3's q_norm / k_norm)."""
+        return False
+
     def config_kwargs(self, c: Any) -> dict:
         act = cfg_get(c, "hidden_act", "silu")
         if act != "silu":
             raise UnsupportedConfig(f"hidden_act={act!r}: the LLaMA family expects SwiGLU ('silu')")
         heads = int(cfg_get(c, "num_attention_heads"))
         hidden = int(cfg_get(c, "hidden_size"))
-        bias = self._biases(c)
         return dict(
             num_layers=int(cfg_get(c, "num_hidden_layers")),
             hidden_size=hidden,
@@ -66,8 +78,9 @@ class LlamaFamily(ModelFamily):
             layernorm_epsilon=float(cfg_get(c, "rms_norm_eps", 1e-6)),
             gated_linear_unit=True,
             activation_func=F.silu,
-            add_bias_linear=bias,
-            add_qkv_bias=bias,
+            add_bias_linear=self.linear_bias(c),
+            add_qkv_bias=self.qkv_bias(c),
+            qk_layernorm=self.qk_layernorm(c),
             hidden_dropout=0.0,
             attention_dropout=float(cfg_get(c, "attention_dropout", 0.0)),
             init_method_std=float(cfg_get(c, "initializer_range", 0.02)),
@@ -99,13 +112,13 @@ class LlamaFamily(ModelFamily):
     def layer_spec(self, c: Any, impl: Impl):
         from megatron.core.models.gpt import gpt_layer_specs as specs
 
+        qk = self.qk_layernorm(c)
         if impl == "transformer_engine":
-            return specs.get_gpt_layer_with_transformer_engine_spec()
-        return specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+            return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk)
+        return specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk)
 
     def weight_map(self, c: Any) -> list[Mapping | Drop]:
         hf, mc = "model.layers.{layer}.", "decoder.layers.{layer}."
-        bias = self._biases(c)
         m: list[Mapping | Drop] = [
             VocabParallel("model.embed_tokens.weight", "embedding.word_embeddings.weight"),
             Replicated(hf + "input_layernorm.weight", mc + "input_layernorm.weight"),
@@ -119,13 +132,19 @@ class LlamaFamily(ModelFamily):
             # Old exports store rotary caches; they are recomputed from the config.
             Drop(hf + "self_attn.rotary_emb.inv_freq", "recomputed from rope_theta"),
         ]
-        if bias:
+        if self.qkv_bias(c):
+            m.append(QKV(hf + "self_attn.q_proj.bias", hf + "self_attn.k_proj.bias",
+                         hf + "self_attn.v_proj.bias", mc + "self_attention.linear_qkv.bias"))
+        if self.linear_bias(c):
             m += [
-                QKV(hf + "self_attn.q_proj.bias", hf + "self_attn.k_proj.bias",
-                    hf + "self_attn.v_proj.bias", mc + "self_attention.linear_qkv.bias"),
                 Replicated(hf + "self_attn.o_proj.bias", mc + "self_attention.linear_proj.bias"),
                 GatedMLP(hf + "mlp.gate_proj.bias", hf + "mlp.up_proj.bias", mc + "mlp.linear_fc1.bias"),
                 Replicated(hf + "mlp.down_proj.bias", mc + "mlp.linear_fc2.bias"),
+            ]
+        if self.qk_layernorm(c):
+            m += [
+                Replicated(hf + "self_attn.q_norm.weight", mc + "self_attention.q_layernorm.weight"),
+                Replicated(hf + "self_attn.k_norm.weight", mc + "self_attention.k_layernorm.weight"),
             ]
         if self.tied_embeddings(c):
             # in-memory state dicts (and some exports) repeat the tied matrix
@@ -137,7 +156,7 @@ class LlamaFamily(ModelFamily):
     def hf_config_from_megatron(self, config: Any, gpt_kwargs: dict, vocab_size: int) -> dict:
         out = {
             "architectures": list(self.architectures),
-            "model_type": "llama",
+            "model_type": self.model_type,
             "vocab_size": vocab_size,
             "hidden_size": config.hidden_size,
             "intermediate_size": config.ffn_hidden_size,

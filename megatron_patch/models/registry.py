@@ -1,7 +1,8 @@
 """Registry: HF `architectures` name or family name -> ModelFamily, each family imported on first use.
 
 Outside code adds families with `register("mymodel", "my_pkg.my_family", ("MyForCausalLM",))`:
-the module must define `FAMILY`, a `ModelFamily` instance.
+the module must define `FAMILY`, a `ModelFamily` instance (or name another attribute:
+"my_pkg.my_family:OTHER", for a file holding several related families).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from megatron_patch.models.family import ModelFamily, cfg_get
 # family name -> (module defining FAMILY, HF architectures it serves)
 _FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "llama": ("megatron_patch.models.llama", ("LlamaForCausalLM",)),
+    "qwen2": ("megatron_patch.models.qwen:QWEN2", ("Qwen2ForCausalLM",)),
+    "qwen3": ("megatron_patch.models.qwen:QWEN3", ("Qwen3ForCausalLM",)),
 }
 _LOADED: dict[str, ModelFamily] = {}
 
@@ -38,9 +41,10 @@ def families() -> dict[str, tuple[str, ...]]:
 
 def _load(name: str) -> ModelFamily:
     if name not in _LOADED:
-        family = importlib.import_module(_FAMILIES[name][0]).FAMILY
+        module, _, attr = _FAMILIES[name][0].partition(":")
+        family = getattr(importlib.import_module(module), attr or "FAMILY")
         if not isinstance(family, ModelFamily):
-            raise TypeError(f"{_FAMILIES[name][0]}.FAMILY is not a ModelFamily")
+            raise TypeError(f"{_FAMILIES[name][0]} is not a ModelFamily")
         _LOADED[name] = family
     return _LOADED[name]
 

@@ -8,9 +8,11 @@ import pytest
 import torch
 
 from tests import _cpu
-from tests.models import hf_model, llama_config
+from tests.models import any_config, hf_model
 
-VARIANTS = ["gqa", "mha", "tied", "pad_vocab", "bias", "llama3_rope"]
+# at most 6 configs x 4 layouts in one world: more re-initialisations of the model-parallel groups
+# have hung the gloo world on this machine (32 did, 24 never has)
+VARIANTS = ["gqa", "tied", "pad_vocab", "bias", "qwen2", "qwen3_untied"]
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 
 
@@ -39,7 +41,7 @@ def _check_layouts(rank: int, data_path: str) -> dict:
 def layout_logits(tmp_path_factory):
     data = {}
     for variant in VARIANTS:
-        cfg = llama_config(variant)
+        cfg = any_config(variant)
         hf = hf_model(cfg)
         ids = torch.randint(0, cfg["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(7))
         with torch.no_grad():

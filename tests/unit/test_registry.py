@@ -6,7 +6,7 @@ import pytest
 
 from megatron_patch.models import UnsupportedConfig, get_family, padded_vocab_size, register
 from megatron_patch.models.registry import UnknownArchitecture
-from tests.models import llama_config
+from tests.models import any_config, llama_config
 
 
 def test_resolves_by_architecture_name_dict_and_folder(tmp_path):
@@ -61,9 +61,10 @@ def test_megatron_config_back_to_hf(cpu_megatron):
     """(d): Megatron config -> HF config.json reproduces the architecture fields."""
     from megatron_patch.models import transformer_config
 
-    fam = get_family("llama")
-    for variant in ("gqa", "tied", "llama3_rope", "linear_rope", "bias", "head_dim"):
-        cfg = llama_config(variant)
+    for variant in ("gqa", "tied", "llama3_rope", "linear_rope", "bias", "head_dim", "qwen2", "qwen3"):
+        cfg = any_config(variant)
+        fam = get_family(cfg)
         back = fam.hf_config_from_megatron(transformer_config(cfg), fam.gpt_kwargs(cfg), cfg["vocab_size"])
+        assert back["architectures"] == cfg["architectures"]
         assert fam.config_kwargs(back) == fam.config_kwargs(cfg), variant
         assert fam.gpt_kwargs(back) == fam.gpt_kwargs(cfg), variant
