@@ -1,28 +1,12 @@
-"""Qwen2 / Qwen3: logits of the converted megatron-core model vs HF transformers, CPU fp32 (<= 1e-5),
-and the family-specific tensors land where megatron-core expects them."""
+"""Qwen2 / Qwen3: the family-specific tensors land where megatron-core expects them, round trips are
+bitwise, and unsupported configs are refused (logits parity: tests/parity/test_parity.py)."""
 
 import pytest
 import torch
 
-from megatron_patch.conversion.engine import hf_to_megatron, load_rank_state_dict, make_plan, megatron_to_hf
-from megatron_patch.conversion.verify import fixed_prompts, megatron_logits
-from megatron_patch.models import Layout, build_model, get_family
-from tests.models import FAMILY_VARIANTS, family_config, hf_model
-
-
-@pytest.mark.parametrize("variant", sorted(FAMILY_VARIANTS))
-def test_logits_match_transformers(cpu_megatron, variant):
-    cfg = family_config(variant)
-    hf = hf_model(cfg)
-    sd = hf.state_dict()
-    ranks = hf_to_megatron(make_plan(cfg, Layout()), sd.__getitem__, sd.keys())
-    model = build_model(cfg).eval()
-    load_rank_state_dict(model, ranks[(0, 0)])
-    ids = fixed_prompts(cfg["vocab_size"], batch=3, seq=48)
-    with torch.no_grad():
-        ref = hf(ids).logits
-    diff = (megatron_logits(model, ids, cfg["vocab_size"]) - ref).abs().max().item()
-    assert diff <= 1e-5, f"{variant}: max abs logit diff {diff}"
+from megatron_patch.conversion.engine import hf_to_megatron, make_plan, megatron_to_hf
+from megatron_patch.models import Layout, get_family
+from tests.models import family_config, hf_model
 
 
 @pytest.mark.parametrize("variant", ["qwen2", "qwen3"])

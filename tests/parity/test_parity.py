@@ -1,4 +1,5 @@
-"""LLaMA: logits of the converted megatron-core model vs HF transformers, CPU fp32 (max abs <= 1e-5)."""
+"""Every tiny config (LLaMA variants and the other LLaMA-shaped families): logits of the converted
+megatron-core model vs HF transformers, CPU fp32 (max abs <= 1e-5)."""
 
 import pytest
 import torch
@@ -6,12 +7,12 @@ import torch
 from megatron_patch.conversion.engine import hf_to_megatron, load_rank_state_dict, make_plan
 from megatron_patch.conversion.verify import fixed_prompts, megatron_logits
 from megatron_patch.models import Layout, build_model
-from tests.models import LLAMA_VARIANTS, hf_model, llama_config
+from tests.models import FAMILY_VARIANTS, LLAMA_VARIANTS, any_config, hf_model
 
 
-@pytest.mark.parametrize("variant", sorted(LLAMA_VARIANTS))
+@pytest.mark.parametrize("variant", sorted(LLAMA_VARIANTS) + sorted(FAMILY_VARIANTS))
 def test_logits_match_transformers(cpu_megatron, variant):
-    cfg = llama_config(variant)
+    cfg = any_config(variant)
     hf = hf_model(cfg)
     sd = hf.state_dict()
     ranks = hf_to_megatron(make_plan(cfg, Layout()), sd.__getitem__, sd.keys())
