@@ -78,6 +78,12 @@ def registry() -> dict[str, Patch]:
     return dict(_REGISTRY)
 
 
+def _sliding_window_mask_on_cpu(sq: int, skv: int, window_size: tuple[int, int]) -> torch.Tensor:
+    """True = masked: keys outside [i - left, i + right] (offset by skv - sq), as megatron-core's."""
+    keep = torch.ones(sq, skv, dtype=torch.bool).triu(skv - sq - window_size[0]).tril(skv - sq + window_size[1])
+    return ~keep
+
+
 @register("cpu_cuda_calls", ">=0.17,<0.20")
 def _cpu_cuda_calls() -> Callable[[], None] | None:
     """Let megatron-core run forward passes and write/read torch_dist checkpoints without a GPU.
@@ -90,14 +96,21 @@ def _cpu_cuda_calls() -> Callable[[], None] | None:
     - `megatron/core/dist_checkpointing/strategies/filesystem_async.py` (`preload_tensors`) calls
       `torch.cuda.synchronize()` before writing: with no GPU there is nothing to wait for, so it
       becomes a no-op.
+    - `megatron/core/transformer/utils.py` (`get_sliding_window_causal_mask`, used by the local
+      attention's softmax for sliding-window models such as Mistral) builds its mask on "cuda": the
+      name imported by `megatron/core/fusions/fused_softmax.py` is pointed at the same mask built on
+      the CPU.
     Does nothing when CUDA is available."""
     if torch.cuda.is_available():
         return None
-    originals = (torch.cuda.current_device, torch.cuda.synchronize)
+    from megatron.core.fusions import fused_softmax
+
+    originals = (torch.cuda.current_device, torch.cuda.synchronize, fused_softmax.get_sliding_window_causal_mask)
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
     torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
+    fused_softmax.get_sliding_window_causal_mask = _sliding_window_mask_on_cpu
 
     def undo() -> None:
-        torch.cuda.current_device, torch.cuda.synchronize = originals
+        torch.cuda.current_device, torch.cuda.synchronize, fused_softmax.get_sliding_window_causal_mask = originals
 
     return undo

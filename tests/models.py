@@ -1,10 +1,23 @@
-"""Test configs derived from the repo's tiny LLaMA, and helpers around `megatron_patch.testing`."""
+"""Test configs derived from the repo's tiny LLaMA, and helpers around `megatron_patch.testing`.
+
+Every variant is a `Case`: the config.json and the tensors a converter sees (by the checkpoint's own
+names), and a `transformers` model computing the same function (the logits reference). For
+transformers-native families the reference is the model itself; for remote-code families
+(`tests/remote.py`) it is the native class the remote code is an exact rename of."""
 
 from __future__ import annotations
 
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+
 from megatron_patch.models.registry import load_hf_config
 from megatron_patch.testing import TINY_LLAMA
-from megatron_patch.testing import random_hf_model as hf_model  # noqa: F401 (re-exported)
+from megatron_patch.testing import random_hf_model as hf_model
+
+DROP = object()  # an override that removes the key (None stays an explicit null)
 
 # name -> overrides of the tiny LLaMA config
 LLAMA_VARIANTS: dict[str, dict] = {
@@ -19,38 +32,103 @@ LLAMA_VARIANTS: dict[str, dict] = {
     "head_dim": {"head_dim": 16},
     "bias": {"attention_bias": True, "mlp_bias": True},
     "pad_vocab": {"vocab_size": 1100},
+    "geglu": {"hidden_act": "gelu"},
+    # Yi as re-released (LlamaForCausalLM), Yi-6B-like shape ratios
+    "yi_llama": {"rope_theta": 5000000.0, "num_key_value_heads": 4, "vocab_size": 1024},
 }
 
 
-# name -> overrides turning the tiny LLaMA into another LLaMA-shaped family
+def _arch(arch: str, model_type: str, **kw) -> dict:
+    return {"architectures": [arch], "model_type": model_type, **kw}
+
+
+# name -> overrides turning the tiny LLaMA into another transformers-native family
 FAMILY_VARIANTS: dict[str, dict] = {
-    "qwen2": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "tie_word_embeddings": True,
-              "head_dim": None, "rope_theta": 1000000.0, "use_sliding_window": False},
-    "qwen2_untied": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "head_dim": None},
-    "qwen3": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 16,
-              "tie_word_embeddings": True},
-    "qwen3_untied": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "num_key_value_heads": 4},
+    "qwen2": _arch("Qwen2ForCausalLM", "qwen2", tie_word_embeddings=True, head_dim=DROP,
+                   rope_theta=1000000.0, use_sliding_window=False),
+    "qwen2_untied": _arch("Qwen2ForCausalLM", "qwen2", head_dim=DROP),
+    "qwen3": _arch("Qwen3ForCausalLM", "qwen3", head_dim=16, tie_word_embeddings=True),
+    "qwen3_untied": _arch("Qwen3ForCausalLM", "qwen3", num_key_value_heads=4),
+    "mistral": _arch("MistralForCausalLM", "mistral", sliding_window=None, attention_bias=DROP,
+                     mlp_bias=DROP),
+    # a window (8) shorter than the test prompts (24-48 tokens), Nemo-style explicit head_dim
+    "mistral_swa": _arch("MistralForCausalLM", "mistral", sliding_window=8, head_dim=16,
+                         attention_bias=DROP, mlp_bias=DROP),
+    "starcoder2": _arch("Starcoder2ForCausalLM", "starcoder2", hidden_act="gelu_pytorch_tanh", use_bias=True,
+                        norm_epsilon=1e-5, tie_word_embeddings=True, rms_norm_eps=DROP, head_dim=DROP,
+                        attention_bias=DROP, mlp_bias=DROP, sliding_window=None),
+    "starcoder2_swa": _arch("Starcoder2ForCausalLM", "starcoder2", hidden_act="gelu_pytorch_tanh",
+                            use_bias=False, norm_epsilon=1e-5, num_key_value_heads=4, sliding_window=16,
+                            rms_norm_eps=DROP, head_dim=DROP, attention_bias=DROP, mlp_bias=DROP),
+    "glm": _arch("GlmForCausalLM", "glm", pad_token_id=0, attention_bias=True, partial_rotary_factor=0.5, mlp_bias=DROP),
+    "glm_tied": _arch("GlmForCausalLM", "glm", pad_token_id=0, attention_bias=False, num_key_value_heads=4, head_dim=16,
+                     partial_rotary_factor=0.5, tie_word_embeddings=True, mlp_bias=DROP),
+    "glm4": _arch("Glm4ForCausalLM", "glm4", pad_token_id=0, attention_bias=True, partial_rotary_factor=0.5, mlp_bias=DROP),
+    "glm4_mha": _arch("Glm4ForCausalLM", "glm4", pad_token_id=0, attention_bias=False, num_key_value_heads=8,
+                      partial_rotary_factor=0.5, mlp_bias=DROP, rope_theta=10000.0),
 }
 
 
 def family_config(variant: str, **extra) -> dict:
-    """A tiny config of another family (see FAMILY_VARIANTS); None values drop the key."""
-    cfg = {**llama_config(), **FAMILY_VARIANTS[variant], **extra}
-    return {k: v for k, v in cfg.items() if v is not None}
+    """A tiny config of another family (see FAMILY_VARIANTS)."""
+    return llama_config("gqa", **FAMILY_VARIANTS[variant], **extra)
 
 
 def llama_config(variant: str = "gqa", **extra) -> dict:
-    cfg = load_hf_config(TINY_LLAMA)
-    cfg.update(LLAMA_VARIANTS[variant])
-    cfg.update(extra)
-    return cfg
+    """The tiny LLaMA config with a variant's and `extra` overrides (DROP removes a key)."""
+    cfg = {**load_hf_config(TINY_LLAMA), **LLAMA_VARIANTS[variant], **extra}
+    return {k: v for k, v in cfg.items() if v is not DROP}
 
 
 def any_config(variant: str) -> dict:
-    """A LLaMA variant or another family's tiny config, by name."""
+    """A LLaMA variant or another native family's tiny config, by name."""
     return llama_config(variant) if variant in LLAMA_VARIANTS else family_config(variant)
+
+
+@dataclass
+class Case:
+    cfg: dict  # the checkpoint's config.json
+    sd: dict[str, torch.Tensor]  # the checkpoint's tensors, by its own names
+    ref: torch.nn.Module  # transformers model with the same logits
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.ref.config.vocab_size)
+
+
+def case(variant: str) -> Case:
+    from tests.remote import REMOTE_VARIANTS
+
+    if variant in REMOTE_VARIANTS:
+        return REMOTE_VARIANTS[variant]()
+    cfg = any_config(variant)
+    hf = hf_model(cfg)
+    return Case(cfg, hf.state_dict(), hf)
+
+
+def all_variants() -> list[str]:
+    from tests.remote import REMOTE_VARIANTS
+
+    return sorted(LLAMA_VARIANTS) + sorted(FAMILY_VARIANTS) + sorted(REMOTE_VARIANTS)
 
 
 def save_hf(model, path: str) -> str:
     model.save_pretrained(path)
+    return path
+
+
+def save_case(c: Case, path: str) -> str:
+    """An HF folder for the case: config.json + model.safetensors with the checkpoint's names
+    (tied duplicates dropped, as save_pretrained does)."""
+    from safetensors.torch import save_file
+
+    os.makedirs(path)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(c.cfg, f)
+    seen, tensors = set(), {}
+    for k, v in c.sd.items():
+        if v.data_ptr() not in seen:
+            seen.add(v.data_ptr())
+            tensors[k] = v.contiguous().clone()
+    save_file(tensors, os.path.join(path, "model.safetensors"))
     return path

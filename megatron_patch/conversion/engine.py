@@ -259,7 +259,7 @@ def extra_state_names(plan: Plan, stage: int) -> set[str]:
     """The `_extra_state` entries a stage's `state_dict()` holds (strict loading wants them): every
     linear layer keeps one (megatron-core's own linears too, for TE compatibility), the last stage's
     output layer included (also when its weight is tied); Transformer Engine adds one per core
-    attention and one for the final norm (a TE module there). Checked against real models in
+    attention and one per norm it does not fuse into a linear (final, q/k and post-sublayer norms). Checked against real models in
     tests/test_formats.py (local) and tests/gpu/test_te.py (TE, on the device)."""
     names = {n.rsplit(".", 1)[0] + "._extra_state" for n in plan.megatron_names(stage)
              if n.startswith("decoder.layers.") and ".linear_" in n}
@@ -268,8 +268,9 @@ def extra_state_names(plan: Plan, stage: int) -> set[str]:
     if plan.impl == "transformer_engine":
         for layer in range(plan.layers_per_stage):
             names.add(f"decoder.layers.{layer}.self_attention.core_attention._extra_state")
-        if stage == plan.layout.pp - 1:
-            names.add("decoder.final_layernorm._extra_state")
+        # TE norms not fused into a linear: final, q/k (qk_layernorm) and post-sublayer norms
+        names |= {n.rsplit(".", 1)[0] + "._extra_state" for n in plan.megatron_names(stage)
+                  if n.endswith("layernorm.weight")}
     return names
 
 

@@ -97,7 +97,7 @@ def checkpoint_args(plan: Plan, fmt: str) -> Namespace:
         position_embedding_type=position,
         add_position_embedding=position == "learned_absolute",
         untie_embeddings_and_output_weights=not gpt.get("share_embeddings_and_output_weights", False),
-        max_position_embeddings=int(plan.hf_config.get("max_position_embeddings", 4096)),
+        max_position_embeddings=plan.family.max_sequence_length(plan.hf_config),
         tensor_model_parallel_size=plan.layout.tp,
         pipeline_model_parallel_size=plan.layout.pp,
         make_vocab_size_divisible_by=plan.layout.make_vocab_size_divisible_by,

@@ -117,7 +117,9 @@ def verify(hf_dir: str, mcore_dir: str, tp: int = 1, pp: int = 1, dtype: torch.d
     from megatron_patch.conversion.mcore_io import load_megatron_model
 
     model, config = load_megatron_model(mcore_dir, tp, pp, impl=impl, dtype=dtype, hf_config=hf_config)
-    vocab = int(config["vocab_size"])
+    from megatron_patch.models import Layout, get_family
+
+    vocab = get_family(config).shapes(config, Layout()).vocab_size
     ids = fixed_prompts(vocab)
     result = compare(hf_logits(hf_dir, ids, dtype), megatron_logits(model, ids, vocab))
     run_impl = model.config.transformer_impl

@@ -114,6 +114,12 @@ class ModelFamily:
     def weight_map(self, hf_config: Any) -> list[Mapping | Drop]:
         raise NotImplementedError
 
+    def max_sequence_length(self, hf_config: Any) -> int:
+        return int(cfg_get(hf_config, "max_position_embeddings", None) or 4096)
+
+    def finalize(self, model, hf_config: Any) -> None:
+        """Adjust a built `GPTModel` in place (modules megatron-core builds outside the layer spec)."""
+
     def tied_embeddings(self, hf_config: Any) -> bool:
         return bool(self.gpt_kwargs(hf_config).get("share_embeddings_and_output_weights", False))
 
@@ -197,11 +203,16 @@ def build_model(hf_config: Any, tp: int = 1, pp: int = 1, impl: Impl = "local",
         config=config,
         transformer_layer_spec=family.layer_spec(hf_config, impl),
         vocab_size=padded_vocab_size or shapes.padded_vocab_size,
-        max_sequence_length=int(cfg_get(hf_config, "max_position_embeddings", 4096)),
+        max_sequence_length=family.max_sequence_length(hf_config),
         pre_process=pre_process,
         post_process=post_process,
         **family.gpt_kwargs(hf_config),
     )
+    family.finalize(model, hf_config)
+    if dtype != torch.float32:
+        # torch norms (local spec without Apex) are built in fp32 whatever params_dtype says;
+        # megatron.training casts the same way (Float16Module)
+        model.to(dtype)
     if not config.use_cpu_initialization:
         # as megatron.training's get_model does: modules built without a device (torch norms) follow
         model.cuda(torch.cuda.current_device())

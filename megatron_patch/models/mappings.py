@@ -144,16 +144,40 @@ class QKV(Split):
         return [t.reshape(-1, *rest).contiguous() for t in (q, k, v)]
 
 
-class GatedMLP(Mapping):
-    """gate|up projections -> `linear_fc1`; each TP rank holds [gate shard; up shard]."""
+class PackedQKV(QKV):
+    """One HF tensor holding [all q heads; all k heads; all v heads] (Baichuan `W_pack`, Qwen-1
+    `c_attn`, ChatGLM `query_key_value`) -> Megatron's per-group interleaved `linear_qkv`."""
 
-    def __init__(self, gate: str, up: str, megatron: str):
-        super().__init__(megatron, (gate, up))
+    def __init__(self, packed: str, megatron: str):
+        Split.__init__(self, packed, megatron, dim=0)
+
+    def _sizes(self, s: Shapes) -> list[int]:
+        kv = s.num_query_groups * s.head_dim
+        return [s.num_heads * s.head_dim, kv, kv]
+
+    def to_megatron(self, hf: list[Tensor], s: Shapes) -> Tensor:
+        (t,) = hf
+        if t.shape[0] != sum(self._sizes(s)):
+            raise ValueError(f"{self.hf[0]}: {t.shape[0]} rows, expected q|k|v = {self._sizes(s)}")
+        return super().to_megatron(list(torch.split(t, self._sizes(s), dim=0)), s)
+
+    def to_hf(self, full: Tensor, s: Shapes) -> list[Tensor]:
+        return [torch.cat(super().to_hf(full, s), dim=0)]
+
+
+class GatedMLP(Mapping):
+    """gate|up projections -> `linear_fc1`; each TP rank holds [gate shard; up shard]. With one HF
+    name, that tensor already holds [gate; up] (GLM's `gate_up_proj`, ChatGLM's `dense_h_to_4h`)."""
+
+    def __init__(self, gate: str, up: str | None, megatron: str):
+        super().__init__(megatron, (gate,) if up is None else (gate, up))
 
     def to_megatron(self, hf: list[Tensor], s: Shapes) -> Tensor:
         return torch.cat(hf, dim=0)
 
     def to_hf(self, full: Tensor, s: Shapes) -> list[Tensor]:
+        if len(self.hf) == 1:
+            return [full]
         return [t.contiguous() for t in torch.chunk(full, 2, dim=0)]
 
     def shard(self, full: Tensor, tp: int, s: Shapes) -> list[Tensor]:

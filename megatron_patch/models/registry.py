@@ -19,6 +19,15 @@ _FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "llama": ("megatron_patch.models.llama", ("LlamaForCausalLM",)),
     "qwen2": ("megatron_patch.models.qwen:QWEN2", ("Qwen2ForCausalLM",)),
     "qwen3": ("megatron_patch.models.qwen:QWEN3", ("Qwen3ForCausalLM",)),
+    "qwen1": ("megatron_patch.models.qwen:QWEN1", ("QWenLMHeadModel",)),
+    "yi": ("megatron_patch.models.llama:YI", ("YiForCausalLM",)),
+    "mistral": ("megatron_patch.models.mistral", ("MistralForCausalLM",)),
+    "baichuan": ("megatron_patch.models.baichuan", ("BaiChuanForCausalLM", "BaichuanForCausalLM")),
+    "internlm2": ("megatron_patch.models.internlm2", ("InternLM2ForCausalLM",)),
+    "starcoder2": ("megatron_patch.models.starcoder2", ("Starcoder2ForCausalLM",)),
+    "glm": ("megatron_patch.models.glm:GLM", ("GlmForCausalLM",)),
+    "glm4": ("megatron_patch.models.glm:GLM4", ("Glm4ForCausalLM",)),
+    "chatglm": ("megatron_patch.models.glm:CHATGLM", ("ChatGLMModel", "ChatGLMForConditionalGeneration")),
 }
 _LOADED: dict[str, ModelFamily] = {}
 

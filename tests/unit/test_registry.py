@@ -47,7 +47,7 @@ def test_config_translation():
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0,
                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}, "llama3"),
     ({"attention_bias": True, "mlp_bias": False}, "attention_bias"),
-    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"hidden_act": "relu"}, "hidden_act"),
 ])
 def test_unsupported_configs_raise_clearly(overrides, match):
     fam = get_family("llama")

@@ -1,0 +1,25 @@
+"""The runtime patch registry and the one patch the library carries (`cpu_cuda_calls`)."""
+
+import pytest
+import torch
+
+from megatron_patch import patches
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the patch does nothing with CUDA")
+def test_cpu_cuda_calls_apply_and_undo():
+    from megatron.core.fusions import fused_softmax
+
+    original = fused_softmax.get_sliding_window_causal_mask
+    with patches.applied("cpu_cuda_calls") as active:
+        assert active and torch.cuda.current_device() == "cpu"
+        mask = fused_softmax.get_sliding_window_causal_mask(6, 6, (2, 0))
+        i, j = torch.arange(6)[:, None], torch.arange(6)[None, :]
+        # HF sliding_window = 3: query i sees keys i-2 .. i
+        assert torch.equal(mask, (j > i) | (i - j > 2))
+    assert fused_softmax.get_sliding_window_causal_mask is original
+
+
+def test_every_patch_states_why_and_versions():
+    for p in patches.registry().values():
+        assert p.why and str(p.versions)
