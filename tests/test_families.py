@@ -109,3 +109,12 @@ def test_refusals(variant, overrides, match):
         fam = get_family(cfg)
         fam.config_kwargs(cfg)
         fam.gpt_kwargs(cfg)
+
+
+def test_verify_refuses_remote_code_without_consent(cpu_megatron, tmp_path, capsys):
+    hf_dir = save_case(case("qwen1"), str(tmp_path / "hf"))
+    mc = str(tmp_path / "mcore")
+    assert main(["hf-to-mcore", "--hf-dir", hf_dir, "--out", mc]) == 0
+    capsys.readouterr()
+    assert main(["verify", "--hf-dir", hf_dir, "--mcore-dir", mc]) == 1
+    assert "remote-code architecture" in capsys.readouterr().err

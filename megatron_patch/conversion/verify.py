@@ -91,10 +91,18 @@ def compare(reference: Tensor, candidate: Tensor) -> dict:
     }
 
 
-def hf_logits(hf_dir: str, input_ids: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+def hf_logits(hf_dir: str, input_ids: Tensor, dtype: torch.dtype = torch.float32,
+              trust_remote_code: bool = False) -> Tensor:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype, attn_implementation="eager")
+    from megatron_patch.models import get_family, load_hf_config
+
+    family = get_family(load_hf_config(hf_dir))
+    if getattr(family, "remote_code", False) and not trust_remote_code:
+        raise ValueError(f"{family.name} is a remote-code architecture: the HF reference runs the modeling files "
+                         f"in {hf_dir}; pass --trust-remote-code if you trust them")
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype, attn_implementation="eager",
+                                                 trust_remote_code=trust_remote_code)
     with torch.no_grad():
         return model.eval()(input_ids).logits.float()
 
@@ -110,7 +118,8 @@ def default_tolerance(dtype: torch.dtype, impl: str) -> float:
 
 
 def verify(hf_dir: str, mcore_dir: str, tp: int = 1, pp: int = 1, dtype: torch.dtype = torch.float32,
-           tolerance: float | None = None, impl: str | None = None, hf_config: str | None = None) -> dict:
+           tolerance: float | None = None, impl: str | None = None, hf_config: str | None = None,
+           trust_remote_code: bool = False) -> dict:
     """Run both models on fixed prompts; returns the metrics plus `ok` (max diff <= tolerance,
     default `default_tolerance`). `impl` overrides the implementation recorded at conversion
     (torch_dist checkpoints are implementation-independent)."""
@@ -121,7 +130,7 @@ def verify(hf_dir: str, mcore_dir: str, tp: int = 1, pp: int = 1, dtype: torch.d
 
     vocab = get_family(config).shapes(config, Layout()).vocab_size
     ids = fixed_prompts(vocab)
-    result = compare(hf_logits(hf_dir, ids, dtype), megatron_logits(model, ids, vocab))
+    result = compare(hf_logits(hf_dir, ids, dtype, trust_remote_code), megatron_logits(model, ids, vocab))
     run_impl = model.config.transformer_impl
     if tolerance is None:
         tolerance = default_tolerance(dtype, run_impl)

@@ -61,10 +61,26 @@ def test_megatron_config_back_to_hf(cpu_megatron):
     """(d): Megatron config -> HF config.json reproduces the architecture fields."""
     from megatron_patch.models import transformer_config
 
-    for variant in ("gqa", "tied", "llama3_rope", "linear_rope", "bias", "head_dim", "qwen2", "qwen3"):
+    from transformers import AutoConfig
+
+    for variant in ("gqa", "tied", "llama3_rope", "linear_rope", "bias", "head_dim", "geglu", "qwen2", "qwen3",
+                    "mistral", "mistral_swa", "starcoder2", "starcoder2_swa", "glm", "glm_tied", "glm4"):
         cfg = any_config(variant)
         fam = get_family(cfg)
         back = fam.hf_config_from_megatron(transformer_config(cfg), fam.gpt_kwargs(cfg), cfg["vocab_size"])
         assert back["architectures"] == cfg["architectures"]
         assert fam.config_kwargs(back) == fam.config_kwargs(cfg), variant
         assert fam.gpt_kwargs(back) == fam.gpt_kwargs(cfg), variant
+        # transformers reads it back as the same architecture
+        hf = AutoConfig.for_model(**back)
+        assert fam.config_kwargs(hf) == fam.config_kwargs(cfg), variant
+
+
+def test_remote_code_families_need_their_config(cpu_megatron):
+    from megatron_patch.models import transformer_config
+    from tests.models import case
+
+    cfg = case("qwen1").cfg
+    fam = get_family(cfg)
+    with pytest.raises(UnsupportedConfig, match="remote-code"):
+        fam.hf_config_from_megatron(transformer_config(cfg), fam.gpt_kwargs(cfg), cfg["vocab_size"])

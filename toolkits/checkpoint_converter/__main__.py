@@ -70,6 +70,8 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--impl", choices=["local", "transformer_engine"],
                    help="Megatron implementation to run (default: the one used at conversion)")
     v.add_argument("--hf-config", help="HF config.json or folder, for checkpoints without an hf/ folder")
+    v.add_argument("--trust-remote-code", action="store_true",
+                   help="run the modeling files of a remote-code HF folder (Qwen-1, Baichuan, ChatGLM, ...)")
     v.add_argument("--tolerance", type=float, default=None,
                    help="max abs logit diff allowed (default 1e-4 in fp32; 5e-2 for Transformer "
                         "Engine in fp32, whose GEMMs run in TF32; 1.0 in bf16/fp16)")
@@ -94,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             from megatron_patch.conversion.verify import verify
 
             result = verify(args.hf_dir, args.mcore_dir, args.tp, args.pp, DTYPES[args.dtype], args.tolerance,
-                            args.impl, args.hf_config)
+                            args.impl, args.hf_config, args.trust_remote_code)
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         if os.environ.get("MEGATRON_PATCH_TRACEBACK"):
             traceback.print_exc()
