@@ -69,8 +69,27 @@ FAMILY_VARIANTS: dict[str, dict] = {
 }
 
 
+# complete configs of families whose config.json does not use LLaMA's keys
+OTHER_VARIANTS: dict[str, dict] = {
+    "bloom": {"architectures": ["BloomForCausalLM"], "model_type": "bloom", "vocab_size": 1000, "hidden_size": 64,
+              "n_head": 8, "n_layer": 4, "layer_norm_epsilon": 1e-5, "pad_token_id": 0, "bos_token_id": 1,
+              "eos_token_id": 2},
+    # 6 heads: ALiBi slopes for a head count that is not a power of two, 3 per rank at TP2
+    "bloom_6heads": {"architectures": ["BloomForCausalLM"], "model_type": "bloom", "vocab_size": 1000,
+                     "hidden_size": 48, "n_head": 6, "n_layer": 4, "layer_norm_epsilon": 1e-5, "pad_token_id": 0},
+    "starcoder": {"architectures": ["GPTBigCodeForCausalLM"], "model_type": "gpt_bigcode", "vocab_size": 1000,
+                  "n_embd": 64, "n_head": 8, "n_layer": 4, "n_inner": 160, "n_positions": 256,
+                  "multi_query": True, "activation_function": "gelu_pytorch_tanh", "layer_norm_epsilon": 1e-5},
+    "starcoder_mha": {"architectures": ["GPTBigCodeForCausalLM"], "model_type": "gpt_bigcode", "vocab_size": 1000,
+                      "n_embd": 64, "n_head": 8, "n_layer": 4, "n_positions": 256, "multi_query": False,
+                      "activation_function": "gelu", "layer_norm_epsilon": 1e-5, "tie_word_embeddings": False},
+}
+
+
 def family_config(variant: str, **extra) -> dict:
-    """A tiny config of another family (see FAMILY_VARIANTS)."""
+    """A tiny config of another family (see FAMILY_VARIANTS and OTHER_VARIANTS)."""
+    if variant in OTHER_VARIANTS:
+        return {**OTHER_VARIANTS[variant], **extra}
     return llama_config("gqa", **FAMILY_VARIANTS[variant], **extra)
 
 
@@ -109,7 +128,7 @@ def case(variant: str) -> Case:
 def all_variants() -> list[str]:
     from tests.remote import REMOTE_VARIANTS
 
-    return sorted(LLAMA_VARIANTS) + sorted(FAMILY_VARIANTS) + sorted(REMOTE_VARIANTS)
+    return sorted(LLAMA_VARIANTS) + sorted(FAMILY_VARIANTS) + sorted(OTHER_VARIANTS) + sorted(REMOTE_VARIANTS)
 
 
 def save_hf(model, path: str) -> str:

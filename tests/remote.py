@@ -70,8 +70,40 @@ def _qwen1(bias: bool) -> Case:
     return Case(cfg, sd, ref)
 
 
-# ---- Baichuan-7B / Baichuan2-7B: W_pack = [q; k; v]; Baichuan2's NormHead --------------------
-def _baichuan(v2: bool) -> Case:
+class _NoRotary(torch.nn.Module):
+    def __init__(self, head_dim: int):
+        super().__init__()
+        self.head_dim = head_dim
+
+    def forward(self, x, position_ids):
+        shape = (*position_ids.shape, self.head_dim)
+        return torch.ones(shape, dtype=x.dtype, device=x.device), torch.zeros(shape, dtype=x.dtype, device=x.device)
+
+
+class AlibiReference(torch.nn.Module):
+    """Reference for the ALiBi Baichuan-13B models: transformers' LLaMA block with its rotary embedding
+    made the identity (cos 1, sin 0) and Bloom's ALiBi (transformers.models.bloom.build_alibi_tensor:
+    slope_h * key position) added to the scaled scores through a 4D float attention mask on top of the
+    causal mask — what Baichuan-13B's modeling file computes (its `alibi_mask` + causal mask added to
+    q.k / sqrt(d), no rotary)."""
+
+    def __init__(self, llama):
+        super().__init__()
+        self.llama, self.config = llama, llama.config
+        llama.model.rotary_emb = _NoRotary(llama.config.head_dim)
+
+    def forward(self, ids):
+        from transformers.models.bloom.modeling_bloom import build_alibi_tensor
+
+        b, s = ids.shape
+        heads = self.config.num_attention_heads
+        alibi = build_alibi_tensor(torch.ones(b, s, device=ids.device), heads, torch.float32).view(b, heads, 1, s)
+        causal = torch.full((s, s), float("-inf"), device=ids.device).triu(1)
+        return self.llama(ids, attention_mask=causal + alibi)
+
+
+# ---- Baichuan-7B / Baichuan2-7B / -13B: W_pack = [q; k; v]; Baichuan2's NormHead; 13B: ALiBi ------
+def _baichuan(v2: bool, alibi: bool = False) -> Case:
     native = llama_config("mha", vocab_size=1024, rope_theta=10000.0)  # Baichuan's fixed rotary base
     ref = hf_model(native)
 
@@ -85,8 +117,10 @@ def _baichuan(v2: bool) -> Case:
                                                                   "lm_head.weight")})
     cfg = {k: native[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers",
                                   "rms_norm_eps", "vocab_size", "max_position_embeddings", "hidden_act")}
-    cfg.update(architectures=["BaichuanForCausalLM" if v2 else "BaiChuanForCausalLM"], model_type="baichuan",
-               tie_word_embeddings=False)
+    cfg.update(architectures=["BaichuanForCausalLM" if v2 or alibi else "BaiChuanForCausalLM"],
+               model_type="baichuan", tie_word_embeddings=False)
+    if alibi:  # the 13B configs: model_max_length, no max_position_embeddings
+        cfg["model_max_length"] = cfg.pop("max_position_embeddings")
     if v2:
         # NormHead (the remote code normalises lm_head rows in every forward): the checkpoint keeps
         # the raw rows; the reference runs on normalised ones
@@ -94,7 +128,7 @@ def _baichuan(v2: bool) -> Case:
         sd["lm_head.weight"] = sd["lm_head.weight"] * torch.linspace(0.5, 2.0, native["vocab_size"])[:, None]
         with torch.no_grad():
             ref.lm_head.weight.copy_(F.normalize(sd["lm_head.weight"], dim=-1))
-    return Case(cfg, sd, ref)
+    return Case(cfg, sd, AlibiReference(ref) if alibi else ref)
 
 
 # ---- InternLM2: wqkv reshaped (kv_heads, groups + 2, head_dim) = [q.., k, v] per kv head ----------
@@ -172,6 +206,8 @@ REMOTE_VARIANTS = {
     "qwen1_bias": lambda: _qwen1(bias=True),
     "baichuan": lambda: _baichuan(v2=False),
     "baichuan2": lambda: _baichuan(v2=True),
+    "baichuan_13b": lambda: _baichuan(v2=False, alibi=True),
+    "baichuan2_13b": lambda: _baichuan(v2=True, alibi=True),
     "internlm2": lambda: _internlm2("gqa"),
     "internlm2_dynamic_rope": lambda: _internlm2("mha", rope_scaling={"type": "dynamic", "factor": 2.0}),
     "yi": _yi,

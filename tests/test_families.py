@@ -17,12 +17,16 @@ from tests.remote import REMOTE_VARIANTS
 from toolkits.checkpoint_converter.__main__ import main
 
 
+def _tp(c) -> int:
+    """2, or 1 for one kv head (megatron-core splits attention over TP by kv heads)."""
+    return 2 if get_family(c.cfg).shapes(c.cfg, Layout()).num_query_groups % 2 == 0 else 1
+
+
 @pytest.mark.parametrize("impl", ["local", "transformer_engine"])
 @pytest.mark.parametrize("variant", all_variants())
 def test_round_trip_tp2_pp2_bitwise(variant, impl):
     c = case(variant)
-    groups = get_family(c.cfg).shapes(c.cfg, Layout()).num_query_groups
-    plan = make_plan(c.cfg, Layout(2 if groups % 2 == 0 else 1, 2), impl)  # MQA cannot split over TP
+    plan = make_plan(c.cfg, Layout(_tp(c), 2), impl)
     ranks = hf_to_megatron(plan, c.sd.__getitem__, c.sd.keys())
     back = megatron_to_hf(plan, ranks)
     tied = [k for k in c.sd if plan.is_dropped(k)]
@@ -34,16 +38,17 @@ def test_round_trip_tp2_pp2_bitwise(variant, impl):
 
 # one config per family (the family is found from config.json's architectures alone)
 FAMILY_REPRESENTATIVES = ["qwen2", "qwen3", "mistral_swa", "starcoder2", "glm", "glm4", "qwen1", "baichuan2",
-                          "internlm2", "yi", "chatglm2"]
+                          "internlm2", "yi", "chatglm2", "bloom", "starcoder", "baichuan2_13b"]
 
 
+@pytest.mark.parametrize("fmt,impl", [("legacy", "transformer_engine"), ("torch_dist", "local")])
 @pytest.mark.parametrize("variant", FAMILY_REPRESENTATIVES)
-def test_cli_converts_without_family_flag(cpu_megatron, tmp_path, variant):
+def test_cli_converts_without_family_flag(cpu_megatron, tmp_path, variant, fmt, impl):
     c = case(variant)
     hf_dir = save_case(c, str(tmp_path / "hf"))
     mc = str(tmp_path / "mcore")
-    assert main(["hf-to-mcore", "--hf-dir", hf_dir, "--out", mc, "--tp", "2", "--pp", "2",
-                 "--format", "legacy", "--impl", "transformer_engine"]) == 0
+    assert main(["hf-to-mcore", "--hf-dir", hf_dir, "--out", mc, "--tp", str(_tp(c)), "--pp", "2",
+                 "--format", fmt, "--impl", impl]) == 0
     manifest = json.load(open(os.path.join(mc, "megatron_patch.json")))
     assert manifest["family"] == get_family(c.cfg).name
     back = str(tmp_path / "back")
@@ -68,6 +73,8 @@ def test_family_tensors_land_where_megatron_core_expects():
     assert {"decoder.layers.0.self_attention.linear_qkv.layer_norm_bias", "decoder.layers.0.mlp.linear_fc1.bias",
             "decoder.final_layernorm.bias"} <= sc
     assert "decoder.layers.0.self_attention.linear_qkv.bias" in names("chatglm2")
+    assert {"embedding.word_embeddings_layernorm.weight", "embedding.word_embeddings_layernorm.bias"} <= names("bloom")
+    assert "embedding.position_embeddings.weight" in names("starcoder")
 
 
 def test_config_translation():
@@ -96,11 +103,13 @@ def test_config_translation():
     ("qwen3", {"attention_bias": True}, "attention_bias"),
     ("qwen1", {"rotary_pct": 0.5}, "rotary_pct"),
     ("qwen1", {"kv_channels": 4}, "kv_channels"),
-    ("baichuan", {"max_position_embeddings": DROP}, "ALiBi"),
     ("internlm2", {"bias": True}, "bias=true"),
     ("chatglm2", {"position_encoding_2d": True}, "ChatGLM-6B"),
     ("chatglm2", {"add_bias_linear": True}, "add_bias_linear"),
     ("starcoder2", {"hidden_act": "relu"}, "hidden_act"),
+    ("bloom", {"apply_residual_connection_post_layernorm": True}, "apply_residual_connection_post_layernorm"),
+    ("starcoder", {"scale_attn_weights": False}, "scale_attn_weights"),
+    ("baichuan", {"position_embedding": "learned"}, "position_embedding"),
 ])
 def test_refusals(variant, overrides, match):
     cfg = case(variant).cfg if variant in REMOTE_VARIANTS else family_config(variant)

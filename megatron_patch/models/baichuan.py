@@ -1,5 +1,6 @@
-"""Baichuan-7B (`BaiChuanForCausalLM`) and Baichuan2-7B (`BaichuanForCausalLM`), remote code, on the
-LLaMA math (MHA, SwiGLU, RMSNorm, rotary with base 10000, no biases, untied).
+"""Baichuan-7B (`BaiChuanForCausalLM`), Baichuan2-7B, Baichuan-13B and Baichuan2-13B
+(`BaichuanForCausalLM`), remote code, on the LLaMA math (MHA, SwiGLU, RMSNorm, no biases, untied);
+the 7B models use rotary embeddings (base 10000), the 13B models ALiBi (`modules/alibi.py`).
 
 Accepted checkpoint names: LLaMA's, except the fused `model.layers.N.self_attn.W_pack` = [q; k; v].
 Accepted config keys: LLaMA's (`hidden_size`, `intermediate_size`, `num_attention_heads`,
@@ -10,9 +11,9 @@ stored weight is converted as is (bitwise both ways) and normalised at run time,
 does. It is on for Baichuan2: `vocab_size` 125696 or a `z_loss_weight` key (both only in Baichuan2
 configs), or an explicit `"norm_head": true/false`.
 
-`BaichuanForCausalLM` also names Baichuan-13B and Baichuan2-13B, which use ALiBi instead of rotary;
-their configs carry no `max_position_embeddings` (their modeling files read `model_max_length`), which
-is how they are told apart and refused here (ALiBi families: model families part 2).
+`BaichuanForCausalLM` names both the 7B (rotary) and 13B (ALiBi) models: the 13B configs carry no
+`max_position_embeddings` (their modeling files read `model_max_length`), which is how they are told
+apart; `"position_embedding": "rope" | "alibi"` in config.json overrides that rule.
 """
 
 from typing import Any
@@ -32,11 +33,16 @@ class BaichuanFamily(DenseDecoder):
     names = DenseNames(qkv="self_attn.W_pack")
 
     def translate(self, config: dict) -> dict:
-        if "max_position_embeddings" not in config:
-            raise UnsupportedConfig("Baichuan-13B / Baichuan2-13B (ALiBi attention: no max_position_embeddings "
-                                    "in config.json) are not supported yet; the 7B models are")
+        alibi = "max_position_embeddings" not in config
+        position = config.get("position_embedding", "alibi" if alibi else "rope")
+        if position not in ("rope", "alibi"):
+            raise UnsupportedConfig(f"Baichuan position_embedding={position!r}: expected 'rope' or 'alibi'")
         return {**config, "num_key_value_heads": config["num_attention_heads"], "rope_theta": 10000.0,
-                "rope_scaling": None}
+                "rope_scaling": None, "position_embedding": position,
+                "max_position_embeddings": config.get("max_position_embeddings") or config.get("model_max_length")}
+
+    def positions(self, c: Any) -> str:
+        return c["position_embedding"]
 
     def linear_bias(self, c: Any) -> bool:
         return False

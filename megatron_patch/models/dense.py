@@ -67,6 +67,8 @@ class DenseNames:
     `mlp_in`: (gate, up), or one name ([gate; up] when the MLP is gated, else the up projection)."""
 
     embed: str = "model.embed_tokens"
+    position_embed: str = ""  # learned absolute positions (GPTBigCode's `transformer.wpe`)
+    embed_norm: str = ""  # LayerNorm on the embeddings (Bloom's `word_embeddings_layernorm`)
     layer: str = "model.layers.{layer}."
     input_norm: str = "input_layernorm"
     qkv: tuple[str, str, str] | str = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
@@ -97,6 +99,7 @@ class DenseDecoder(ModelFamily):
     gated_mlp = True  # down(act(gate(x)) * up(x)); else down(act(up(x)))
     rotary_interleaved = False  # GLM rotates adjacent pairs instead of halves
     post_norms = False  # GLM-4-0414: RMSNorm on the attention and MLP outputs before the residual add
+    embedding_norm = False  # Bloom: LayerNorm on the word embeddings
     remote_code = False  # no class in transformers: the config.json cannot be rebuilt from Megatron's
     remote_code = False  # no class in transformers: the config.json cannot be rebuilt from Megatron's
     # config.json keys the family's transformers class defaults when a file omits them
@@ -128,6 +131,15 @@ class DenseDecoder(ModelFamily):
     def sliding_window(self, c: ArchConfig) -> int | None:
         """Tokens each query sees (itself included) in every layer; None = full causal attention."""
         return None
+
+    def positions(self, c: ArchConfig) -> str:
+        """'rope', 'alibi' (modules/alibi.py) or 'learned' (absolute position embeddings)."""
+        return "rope"
+
+    def names_for(self, c: ArchConfig) -> DenseNames:
+        """The checkpoint names for this config (a family whose fused layout depends on the config
+        overrides it)."""
+        return self.names
 
     def norm_head(self, c: ArchConfig) -> bool:
         """Baichuan2's NormHead: lm_head rows L2-normalised in every forward."""
@@ -176,12 +188,16 @@ class DenseDecoder(ModelFamily):
 
     def gpt_kwargs(self, hf_config: Any) -> dict:
         c = self.canonical(hf_config)
+        tied = bool(c.get("tie_word_embeddings", False))
+        if self.positions(c) != "rope":
+            kind = "learned_absolute" if self.positions(c) == "learned" else "none"
+            return dict(position_embedding_type=kind, share_embeddings_and_output_weights=tied)
         theta, scaling = rope_parameters(c)
         kw = dict(
             position_embedding_type="rope",
             rotary_base=theta,
             rotary_percent=self.rotary_fraction(c),
-            share_embeddings_and_output_weights=bool(c.get("tie_word_embeddings", False)),
+            share_embeddings_and_output_weights=tied,
         )
         if scaling is None:
             return kw
@@ -228,19 +244,33 @@ class DenseDecoder(ModelFamily):
             from megatron_patch.models.modules.post_norm import with_post_norms
 
             spec = with_post_norms(spec, impl)
+        if self.positions(c) == "alibi":
+            from megatron_patch.models.modules.alibi import with_alibi
+
+            spec = with_alibi(spec, impl)
         return spec
 
     def finalize(self, model, hf_config: Any) -> None:
-        if self.norm_head(self.canonical(hf_config)) and getattr(model, "post_process", False):
+        c = self.canonical(hf_config)
+        if self.norm_head(c) and getattr(model, "post_process", False):
             from megatron_patch.models.modules.norm_head import use_norm_head
 
             use_norm_head(model)
+        if self.embedding_norm:
+            from megatron_patch.models.modules.embedding_norm import add_embedding_norm
+
+            from megatron_patch.models.modules import norm_class
+
+            add_embedding_norm(model, norm_class(model.config.transformer_impl))
 
     def weight_map(self, hf_config: Any) -> list[Mapping | Drop]:
         c = self.canonical(hf_config)
-        n, hf, mc = self.names, self.names.layer, "decoder.layers.{layer}."
+        n = self.names_for(c)
+        hf, mc = n.layer, "decoder.layers.{layer}."
         biased = ["weight", "bias"] if self.norm == "LayerNorm" else ["weight"]
         m: list[Mapping | Drop] = [VocabParallel(f"{n.embed}.weight", "embedding.word_embeddings.weight")]
+        if self.positions(c) == "learned":
+            m.append(Replicated(f"{n.position_embed}.weight", "embedding.position_embeddings.weight"))
 
         def norm(hf_name: str, megatron: str, prefix: tuple[str, str] = (hf, mc)) -> None:
             m.extend(Replicated(f"{prefix[0]}{hf_name}.{p}", f"{prefix[1]}{megatron}.{p}") for p in biased)
@@ -276,6 +306,8 @@ class DenseDecoder(ModelFamily):
             norm(n.post_attn_out_norm, "self_attention.post_layernorm")
             norm(n.post_mlp_out_norm, "mlp.post_layernorm")
         norm(n.final_norm, "decoder.final_layernorm", ("", ""))
+        if self.embedding_norm:
+            norm(n.embed_norm, "embedding.word_embeddings_layernorm", ("", ""))
         m += [Drop(hf + d, "recomputed from the config") for d in n.layer_drops]
         m += [Drop(d, "recomputed from the config") for d in n.drops]
         if self.tied_embeddings(c):

@@ -27,6 +27,8 @@ _FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "starcoder2": ("megatron_patch.models.starcoder2", ("Starcoder2ForCausalLM",)),
     "glm": ("megatron_patch.models.glm:GLM", ("GlmForCausalLM",)),
     "glm4": ("megatron_patch.models.glm:GLM4", ("Glm4ForCausalLM",)),
+    "bloom": ("megatron_patch.models.bloom", ("BloomForCausalLM",)),
+    "gpt_bigcode": ("megatron_patch.models.gpt_bigcode", ("GPTBigCodeForCausalLM",)),
     "chatglm": ("megatron_patch.models.glm:CHATGLM", ("ChatGLMModel", "ChatGLMForConditionalGeneration")),
 }
 _LOADED: dict[str, ModelFamily] = {}

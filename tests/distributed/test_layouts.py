@@ -20,8 +20,11 @@ VARIANTS = [
     "qwen2_untied", "qwen3", "mistral", "mistral_swa", "starcoder2", "starcoder2_swa",
     "glm", "glm_tied", "glm4", "glm4_mha", "qwen1", "qwen1_bias",
     "baichuan", "baichuan2", "internlm2", "internlm2_dynamic_rope", "yi", "yi_llama",
-    "chatglm2", "glm4_chat",
+    "chatglm2", "glm4_chat", "bloom", "bloom_6heads", "starcoder", "starcoder_mha",
+    "baichuan_13b", "baichuan2_13b",
 ]
+# one kv head: megatron-core splits attention over TP by kv heads (num_query_groups % TP == 0)
+SINGLE_KV_HEAD = {"starcoder"}
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 
 
@@ -37,6 +40,8 @@ def _check_layouts(rank: int, data_path: str) -> dict:
     for tp, pp in LAYOUTS:
         _cpu.init_model_parallel(tp, pp)
         for variant, (cfg, sd, ids, ref) in data.items():
+            if tp > 1 and variant in SINGLE_KV_HEAD:
+                continue
             plan = make_plan(cfg, Layout(tp, pp))
             ranks = hf_to_megatron(plan, sd.__getitem__, sd.keys())
             model = build_model(cfg, tp, pp).eval()
@@ -64,6 +69,8 @@ def _world() -> tuple[dict, list]:
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("tp,pp", LAYOUTS)
 def test_layout_matches_tp1_and_hf(cpu_megatron, variant, tp, pp):
+    if tp > 1 and variant in SINGLE_KV_HEAD:
+        pytest.skip("one kv head cannot be split over TP in megatron-core")
     data, per_rank = _world()
     ref = data[variant][3]
     tp1 = per_rank[0][(variant, 1, 1)]

@@ -18,15 +18,7 @@ from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubm
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
-
-def _norm_spec(impl: str):
-    if impl == "transformer_engine":
-        from megatron.core.extensions.transformer_engine import TENorm
-
-        return TENorm
-    from megatron.core.models.gpt.gpt_layer_specs import LNImpl
-
-    return LNImpl
+from megatron_patch.models.modules import norm_class
 
 
 @dataclasses.dataclass
@@ -77,7 +69,7 @@ def _with_norm(submodules, cls, norm):
 def with_post_norms(layer_spec: ModuleSpec, impl: str) -> ModuleSpec:
     """A copy of a GPT layer spec whose attention and MLP normalise their outputs."""
     sub = layer_spec.submodules
-    norm = _norm_spec(impl)
+    norm = norm_class(impl)
     attn = dataclasses.replace(
         sub.self_attention, module=PostNormSelfAttention,
         submodules=_with_norm(sub.self_attention.submodules, PostNormSelfAttentionSubmodules, norm))
