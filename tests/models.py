@@ -83,6 +83,23 @@ OTHER_VARIANTS: dict[str, dict] = {
     "starcoder_mha": {"architectures": ["GPTBigCodeForCausalLM"], "model_type": "gpt_bigcode", "vocab_size": 1000,
                       "n_embd": 64, "n_head": 8, "n_layer": 4, "n_positions": 256, "multi_query": False,
                       "activation_function": "gelu", "layer_norm_epsilon": 1e-5, "tie_word_embeddings": False},
+    # Falcon-7B: MQA, attention and MLP in parallel from one shared norm, no biases
+    "falcon_7b": {"architectures": ["FalconForCausalLM"], "model_type": "falcon", "vocab_size": 1000,
+                  "hidden_size": 64, "num_attention_heads": 8, "num_hidden_layers": 4, "multi_query": True,
+                  "parallel_attn": True, "bias": False, "rope_theta": 10000.0, "pad_token_id": 0},
+    # Falcon-40B/180B: new decoder architecture, GQA, ln_attn + ln_mlp
+    "falcon_40b": {"architectures": ["FalconForCausalLM"], "model_type": "falcon", "vocab_size": 1000,
+                   "hidden_size": 64, "num_attention_heads": 8, "num_kv_heads": 2, "num_hidden_layers": 4,
+                   "new_decoder_architecture": True, "parallel_attn": True, "bias": False, "pad_token_id": 0},
+    # Falcon2-11B: new decoder architecture with one shared norm (splits over TP)
+    "falcon_11b": {"architectures": ["FalconForCausalLM"], "model_type": "falcon", "vocab_size": 1000,
+                   "hidden_size": 64, "num_attention_heads": 8, "num_kv_heads": 2, "num_hidden_layers": 4,
+                   "new_decoder_architecture": True, "num_ln_in_parallel_attn": 1, "parallel_attn": True,
+                   "bias": False, "ffn_hidden_size": 96, "tie_word_embeddings": False, "pad_token_id": 0},
+    # sequential blocks, MHA, biases
+    "falcon_seq": {"architectures": ["FalconForCausalLM"], "model_type": "falcon", "vocab_size": 1000,
+                   "hidden_size": 64, "num_attention_heads": 8, "num_hidden_layers": 4, "multi_query": False,
+                   "parallel_attn": False, "bias": True, "pad_token_id": 0},
 }
 
 

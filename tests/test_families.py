@@ -38,7 +38,8 @@ def test_round_trip_tp2_pp2_bitwise(variant, impl):
 
 # one config per family (the family is found from config.json's architectures alone)
 FAMILY_REPRESENTATIVES = ["qwen2", "qwen3", "mistral_swa", "starcoder2", "glm", "glm4", "qwen1", "baichuan2",
-                          "internlm2", "yi", "chatglm2", "bloom", "starcoder", "baichuan2_13b"]
+                          "internlm2", "yi", "chatglm2", "bloom", "starcoder", "baichuan2_13b", "falcon_7b",
+                          "falcon_40b"]
 
 
 @pytest.mark.parametrize("fmt,impl", [("legacy", "transformer_engine"), ("torch_dist", "local")])
@@ -75,6 +76,11 @@ def test_family_tensors_land_where_megatron_core_expects():
     assert "decoder.layers.0.self_attention.linear_qkv.bias" in names("chatglm2")
     assert {"embedding.word_embeddings_layernorm.weight", "embedding.word_embeddings_layernorm.bias"} <= names("bloom")
     assert "embedding.position_embeddings.weight" in names("starcoder")
+    # Falcon-7B: one norm shared by attention and MLP; Falcon-40B: ln_attn and ln_mlp
+    f7 = names("falcon_7b", "transformer_engine")
+    assert "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in f7
+    assert not any("linear_fc1.layer_norm" in n or "pre_mlp_layernorm" in n for n in f7)
+    assert "decoder.layers.0.mlp.linear_fc1.layer_norm_weight" in names("falcon_40b", "transformer_engine")
 
 
 def test_config_translation():
@@ -110,6 +116,8 @@ def test_config_translation():
     ("bloom", {"apply_residual_connection_post_layernorm": True}, "apply_residual_connection_post_layernorm"),
     ("starcoder", {"scale_attn_weights": False}, "scale_attn_weights"),
     ("baichuan", {"position_embedding": "learned"}, "position_embedding"),
+    ("falcon_7b", {"alibi": True}, "alibi"),
+    ("falcon_40b", {"parallel_attn": False}, "parallel_attn"),
 ])
 def test_refusals(variant, overrides, match):
     cfg = case(variant).cfg if variant in REMOTE_VARIANTS else family_config(variant)

@@ -1,5 +1,5 @@
 """Training through the modules megatron-core lacks (ALiBi, embedding LayerNorm, post-sublayer norms,
-NormHead), on CPU: forward + backward reach every parameter, and a few optimizer steps on one batch
+NormHead, parallel attention + MLP), on CPU: forward + backward reach every parameter, and a few optimizer steps on one batch
 lower the loss. TP=PP=1; the TP-split forward is covered by tests/distributed."""
 
 import pytest
@@ -10,7 +10,8 @@ from megatron_patch.models import Layout, build_model
 from tests.models import case
 
 
-@pytest.mark.parametrize("variant", ["bloom", "glm4", "baichuan2_13b", "starcoder", "mistral_swa"])
+@pytest.mark.parametrize("variant", ["bloom", "glm4", "baichuan2_13b", "starcoder", "mistral_swa", "falcon_7b",
+                                     "falcon_40b"])
 def test_few_steps_forward_backward(cpu_megatron, variant):
     from megatron_patch.conversion.verify import causal_mask
 

@@ -136,6 +136,11 @@ class DenseDecoder(ModelFamily):
         """'rope', 'alibi' (modules/alibi.py) or 'learned' (absolute position embeddings)."""
         return "rope"
 
+    def parallel_attention(self, c: ArchConfig) -> str | None:
+        """None (sequential blocks), or attention and MLP side by side on the layer input
+        (modules/parallel_attn.py) with 'separate' norms or one 'shared' norm."""
+        return None
+
     def names_for(self, c: ArchConfig) -> DenseNames:
         """The checkpoint names for this config (a family whose fused layout depends on the config
         overrides it)."""
@@ -248,6 +253,10 @@ class DenseDecoder(ModelFamily):
             from megatron_patch.models.modules.alibi import with_alibi
 
             spec = with_alibi(spec, impl)
+        if self.parallel_attention(c):
+            from megatron_patch.models.modules.parallel_attn import with_parallel_attention
+
+            spec = with_parallel_attention(spec, impl, shared_norm=self.parallel_attention(c) == "shared")
         return spec
 
     def finalize(self, model, hf_config: Any) -> None:
@@ -299,7 +308,8 @@ class DenseDecoder(ModelFamily):
         if self.qk_layernorm(c):
             norm(n.q_norm, "self_attention.q_layernorm")
             norm(n.k_norm, "self_attention.k_layernorm")
-        norm(n.pre_mlp_norm, "pre_mlp_layernorm")
+        if self.parallel_attention(c) != "shared":  # a shared norm is input_layernorm, applied twice
+            norm(n.pre_mlp_norm, "pre_mlp_layernorm")
         linear(GatedMLP if self.gated_mlp else ColumnParallel, n.mlp_in, "mlp.linear_fc1", bias)
         linear(RowParallel, n.mlp_out, "mlp.linear_fc2", bias)
         if self.post_norms:

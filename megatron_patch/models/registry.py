@@ -28,6 +28,7 @@ _FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "glm": ("megatron_patch.models.glm:GLM", ("GlmForCausalLM",)),
     "glm4": ("megatron_patch.models.glm:GLM4", ("Glm4ForCausalLM",)),
     "bloom": ("megatron_patch.models.bloom", ("BloomForCausalLM",)),
+    "falcon": ("megatron_patch.models.falcon", ("FalconForCausalLM", "RWForCausalLM")),
     "gpt_bigcode": ("megatron_patch.models.gpt_bigcode", ("GPTBigCodeForCausalLM",)),
     "chatglm": ("megatron_patch.models.glm:CHATGLM", ("ChatGLMModel", "ChatGLMForConditionalGeneration")),
 }

@@ -21,10 +21,10 @@ VARIANTS = [
     "glm", "glm_tied", "glm4", "glm4_mha", "qwen1", "qwen1_bias",
     "baichuan", "baichuan2", "internlm2", "internlm2_dynamic_rope", "yi", "yi_llama",
     "chatglm2", "glm4_chat", "bloom", "bloom_6heads", "starcoder", "starcoder_mha",
-    "baichuan_13b", "baichuan2_13b",
+    "baichuan_13b", "baichuan2_13b", "falcon_7b", "falcon_40b", "falcon_11b", "falcon_seq",
 ]
 # one kv head: megatron-core splits attention over TP by kv heads (num_query_groups % TP == 0)
-SINGLE_KV_HEAD = {"starcoder"}
+SINGLE_KV_HEAD = {"starcoder", "falcon_7b"}
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 
 

@@ -1,6 +1,6 @@
 """Every model family under Transformer Engine on the GPU machine: the TE layer spec (fused/flash
 attention with sliding window, LayerNorm with bias, interleaved partial rotary, post-sublayer norms,
-NormHead, qk-norm) against the local spec and the transformers reference, and the TE state-dict
+NormHead, qk-norm, TE's ALiBi, embedding LayerNorm, learned positions, parallel attention + MLP) against the local spec and the transformers reference, and the TE state-dict
 names (incl. `_extra_state`) our legacy writer produces against a real TE model's.
 
 Run there: python -m pytest -q tests/gpu -s   (results: tests/gpu/RESULTS.md)"""
@@ -13,7 +13,8 @@ from tests.gpu.test_te import HAVE_TE, _record
 pytestmark = pytest.mark.skipif(not HAVE_TE, reason="needs a CUDA GPU and Transformer Engine")
 
 VARIANTS = ["qwen3", "mistral_swa", "starcoder2", "starcoder2_swa", "glm", "glm4", "chatglm2", "qwen1",
-            "baichuan2", "internlm2", "yi"]
+            "baichuan2", "internlm2", "yi", "bloom", "bloom_6heads", "starcoder", "starcoder_mha", "baichuan2_13b",
+            "falcon_7b", "falcon_40b", "falcon_11b"]
 
 
 @pytest.fixture(scope="module")

@@ -12,13 +12,12 @@ and PP (nothing crosses stages).
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
-from megatron_patch.models.modules import norm_class
+from megatron_patch.models.modules import norm_class, replace_mlp
 
 
 @dataclasses.dataclass
@@ -73,11 +72,6 @@ def with_post_norms(layer_spec: ModuleSpec, impl: str) -> ModuleSpec:
     attn = dataclasses.replace(
         sub.self_attention, module=PostNormSelfAttention,
         submodules=_with_norm(sub.self_attention.submodules, PostNormSelfAttentionSubmodules, norm))
-    mlp = sub.mlp
-    if isinstance(mlp, functools.partial):  # megatron-core 0.19: MLP.as_mlp_submodule with keywords
-        mlp = functools.partial(PostNormMLP.as_mlp_submodule, **{
-            **mlp.keywords, "submodules": _with_norm(mlp.keywords["submodules"], PostNormMLPSubmodules, norm)})
-    else:
-        mlp = dataclasses.replace(mlp, module=PostNormMLP,
-                                  submodules=_with_norm(mlp.submodules, PostNormMLPSubmodules, norm))
+    mlp = replace_mlp(sub.mlp, module=PostNormMLP,
+                      submodules=lambda m: _with_norm(m, PostNormMLPSubmodules, norm))
     return dataclasses.replace(layer_spec, submodules=dataclasses.replace(sub, self_attention=attn, mlp=mlp))
