@@ -96,9 +96,11 @@ def test_bad_input(converted, tmp_path, capsys):
     (gpt2 / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "vocab_size": 10}))
     _assert_fails(["hf-to-mcore", "--hf-dir", str(gpt2), "--out", out], out, "unsupported architecture", capsys)
 
-    mqa = save_hf(hf_model(llama_config("mqa")), str(tmp_path / "mqa"))
-    _assert_fails(["hf-to-mcore", "--hf-dir", mqa, "--out", out, "--tp", "2"], out,
-                  "TP=2 does not divide the 1 kv heads", capsys)
+    # 3 kv heads: TP=2 neither divides them nor is a multiple of them (1 kv head would be replicated)
+    odd = save_hf(hf_model(llama_config("gqa", hidden_size=48, num_attention_heads=6, num_key_value_heads=3)),
+                  str(tmp_path / "odd"))
+    _assert_fails(["hf-to-mcore", "--hf-dir", odd, "--out", out, "--tp", "2"], out,
+                  "TP=2 does not divide the 3 kv heads", capsys)
 
     existing = tmp_path / "existing"
     existing.mkdir()

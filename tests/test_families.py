@@ -17,16 +17,11 @@ from tests.remote import REMOTE_VARIANTS
 from toolkits.checkpoint_converter.__main__ import main
 
 
-def _tp(c) -> int:
-    """2, or 1 for one kv head (megatron-core splits attention over TP by kv heads)."""
-    return 2 if get_family(c.cfg).shapes(c.cfg, Layout()).num_query_groups % 2 == 0 else 1
-
-
 @pytest.mark.parametrize("impl", ["local", "transformer_engine"])
 @pytest.mark.parametrize("variant", all_variants())
 def test_round_trip_tp2_pp2_bitwise(variant, impl):
     c = case(variant)
-    plan = make_plan(c.cfg, Layout(_tp(c), 2), impl)
+    plan = make_plan(c.cfg, Layout(2, 2), impl)  # one kv head: replicated to two query groups
     ranks = hf_to_megatron(plan, c.sd.__getitem__, c.sd.keys())
     back = megatron_to_hf(plan, ranks)
     tied = [k for k in c.sd if plan.is_dropped(k)]
@@ -48,7 +43,7 @@ def test_cli_converts_without_family_flag(cpu_megatron, tmp_path, variant, fmt, 
     c = case(variant)
     hf_dir = save_case(c, str(tmp_path / "hf"))
     mc = str(tmp_path / "mcore")
-    assert main(["hf-to-mcore", "--hf-dir", hf_dir, "--out", mc, "--tp", str(_tp(c)), "--pp", "2",
+    assert main(["hf-to-mcore", "--hf-dir", hf_dir, "--out", mc, "--tp", "2", "--pp", "2",
                  "--format", fmt, "--impl", impl]) == 0
     manifest = json.load(open(os.path.join(mc, "megatron_patch.json")))
     assert manifest["family"] == get_family(c.cfg).name
@@ -135,3 +130,23 @@ def test_verify_refuses_remote_code_without_consent(cpu_megatron, tmp_path, caps
     capsys.readouterr()
     assert main(["verify", "--hf-dir", hf_dir, "--mcore-dir", mc]) == 1
     assert "remote-code architecture" in capsys.readouterr().err
+
+
+def test_single_kv_head_at_tp2_through_every_format(cpu_megatron, tmp_path, capsys):
+    """StarCoder (MQA) converted for TP=2 stores two query groups (its kv head replicated); the
+    checkpoint runs at TP=1 as stored, reshards to TP=1 (one group again) and exports bitwise."""
+    c = case("starcoder")
+    hf_dir = save_case(c, str(tmp_path / "hf"))
+    mc, flat, back = (str(tmp_path / n) for n in ("mc", "flat", "back"))
+    assert main(["hf-to-mcore", "--hf-dir", hf_dir, "--out", mc, "--tp", "2"]) == 0
+    from megatron_patch.conversion.mcore_io import MegatronCheckpoint
+
+    assert MegatronCheckpoint.open(mc).num_query_groups == 2
+    capsys.readouterr()
+    assert main(["verify", "--hf-dir", hf_dir, "--mcore-dir", mc]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["max_abs_logit_diff"] <= 1e-5
+    assert main(["mcore-to-mcore", "--mcore-dir", mc, "--out", flat, "--tp", "1", "--format", "legacy"]) == 0
+    assert MegatronCheckpoint.open(flat).num_query_groups == 1
+    assert main(["mcore-to-hf", "--mcore-dir", flat, "--out", back]) == 0
+    a, b = read_all(hf_dir), read_all(back)
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)

@@ -134,9 +134,12 @@ class Plan:
 
 
 def make_plan(hf_config: Any, layout: Layout = Layout(), impl: Impl = "local",
-              family: ModelFamily | None = None, padded_vocab_size: int | None = None) -> Plan:
+              family: ModelFamily | None = None, padded_vocab_size: int | None = None,
+              num_query_groups: int | None = None) -> Plan:
     """The conversion plan for `hf_config` at `layout`. `padded_vocab_size` overrides the padding
-    rule (a checkpoint's own embedding size wins over the rule it may have been made with)."""
+    rule (a checkpoint's own embedding size wins over the rule it may have been made with), and
+    `num_query_groups` the kv-head replication rule (a checkpoint made for a larger TP keeps its
+    replicated heads)."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     family = family or get_family(hf_config)
@@ -147,7 +150,8 @@ def make_plan(hf_config: Any, layout: Layout = Layout(), impl: Impl = "local",
         hf_config=hf_config,
         layout=layout,
         impl=impl,
-        shapes=_with_padding(family.shapes(hf_config, layout), padded_vocab_size),
+        shapes=_with_groups(_with_padding(family.shapes(hf_config, layout), padded_vocab_size), num_query_groups,
+                            layout),
         num_layers=int(family.config_kwargs(hf_config)["num_layers"]),
         tied=family.tied_embeddings(hf_config),
         mappings=[e for e in entries if isinstance(e, Mapping)],
@@ -161,6 +165,15 @@ def _with_padding(shapes: Shapes, padded_vocab_size: int | None) -> Shapes:
     if padded_vocab_size < shapes.vocab_size:
         raise ConversionError(f"embedding has {padded_vocab_size} rows, fewer than vocab_size {shapes.vocab_size}")
     return dataclasses.replace(shapes, padded_vocab_size=padded_vocab_size)
+
+
+def _with_groups(shapes: Shapes, num_query_groups: int | None, layout: Layout) -> Shapes:
+    if num_query_groups is None or num_query_groups == shapes.num_query_groups:
+        return shapes
+    if num_query_groups % shapes.hf_query_groups or num_query_groups % layout.tp:
+        raise ConversionError(f"{num_query_groups} query groups: not a multiple of the {shapes.hf_query_groups} kv "
+                              f"heads and of TP={layout.tp}")
+    return dataclasses.replace(shapes, num_query_groups=num_query_groups)
 
 
 def check_hf_keys(plan: Plan, hf_keys: Iterable[str]) -> None:
@@ -259,8 +272,8 @@ def extra_state_names(plan: Plan, stage: int) -> set[str]:
     """The `_extra_state` entries a stage's `state_dict()` holds (strict loading wants them): every
     linear layer keeps one (megatron-core's own linears too, for TE compatibility), the last stage's
     output layer included (also when its weight is tied); Transformer Engine adds one per core
-    attention and one per norm it does not fuse into a linear (final, q/k and post-sublayer norms). Checked against real models in
-    tests/test_formats.py (local) and tests/gpu/test_te.py (TE, on the device)."""
+    attention and one per norm it does not fuse into a linear (final, q/k and post-sublayer norms).
+    Checked against real models in tests/test_formats.py (local) and tests/gpu/ (TE, on the device)."""
     names = {n.rsplit(".", 1)[0] + "._extra_state" for n in plan.megatron_names(stage)
              if n.startswith("decoder.layers.") and ".linear_" in n}
     if stage == plan.layout.pp - 1:

@@ -65,7 +65,7 @@ from megatron_patch.conversion.engine import (
 )
 from megatron_patch.conversion.manifest import TensorLog
 from megatron_patch.models.family import Layout, build_model, ensure_model_parallel
-from megatron_patch.models.registry import load_hf_config
+from megatron_patch.models.registry import get_family, load_hf_config
 
 WRITE_THREADS = 2
 MANIFEST = "megatron_patch.json"
@@ -82,7 +82,8 @@ _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
 
 def _flat_plan(plan: Plan) -> Plan:
     """The same conversion at TP=PP=1, keeping the plan's vocab padding (torch_dist is unsharded)."""
-    return make_plan(plan.hf_config, Layout(1, 1), "local", plan.family, plan.shapes.padded_vocab_size)
+    return make_plan(plan.hf_config, Layout(1, 1), "local", plan.family, plan.shapes.padded_vocab_size,
+                     plan.shapes.num_query_groups)
 
 
 def checkpoint_args(plan: Plan, fmt: str) -> Namespace:
@@ -92,8 +93,10 @@ def checkpoint_args(plan: Plan, fmt: str) -> Namespace:
             if isinstance(v, (bool, int, float, str))}
     gpt = plan.family.gpt_kwargs(plan.hf_config)
     position = gpt.get("position_embedding_type", "learned_absolute")
+    arch["num_query_groups"] = plan.shapes.num_query_groups
     return Namespace(
         **arch,
+        group_query_attention=plan.shapes.num_query_groups != plan.shapes.num_heads,
         position_embedding_type=position,
         add_position_embedding=position == "learned_absolute",
         untie_embeddings_and_output_weights=not gpt.get("share_embeddings_and_output_weights", False),
@@ -148,6 +151,7 @@ def _template(plan: Plan, dtype: torch.dtype) -> dict:
         model = build_model(
             plan.hf_config, 1, 1, impl="local", dtype=dtype,
             padded_vocab_size=plan.shapes.padded_vocab_size, perform_initialization=False,
+            num_query_groups=plan.shapes.num_query_groups,
             use_cpu_initialization=True,  # stay on the meta device even when a GPU is present
         )
     return model.sharded_state_dict()
@@ -282,8 +286,9 @@ class _LazySavePlanner(DefaultSavePlanner):
         return self._data[write_item.index]()
 
 
-def torch_dist_info(step_dir: str) -> tuple[torch.dtype, int, Namespace | None]:
-    """(stored dtype, embedding rows, stored args) from the checkpoint's metadata, no tensor data."""
+def torch_dist_info(step_dir: str) -> tuple[torch.dtype, int, Namespace | None, int | None]:
+    """(stored dtype, embedding rows, stored args, linear_qkv rows) from the checkpoint's metadata,
+    no tensor data."""
     from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint import FileSystemReader
 
@@ -292,7 +297,9 @@ def torch_dist_info(step_dir: str) -> tuple[torch.dtype, int, Namespace | None]:
     if md is None or not hasattr(md, "properties"):
         raise ConversionError(f"{step_dir}: no embedding.word_embeddings.weight in the checkpoint")
     common = dist_checkpointing.load_common_state_dict(step_dir)
-    return md.properties.dtype, int(md.size[0]), common.get("args")
+    qkv = meta.state_dict_metadata.get("decoder.layers.self_attention.linear_qkv.weight")
+    qkv_rows = int(qkv.size[-2]) if qkv is not None and hasattr(qkv, "size") else None
+    return md.properties.dtype, int(md.size[0]), common.get("args"), qkv_rows
 
 
 class _ChunkLoadPlanner(DefaultLoadPlanner):
@@ -443,6 +450,14 @@ def load_legacy_stage(step_dir: str, tp: int, pp: int, stage: int) -> dict[Rank,
 # reading any Megatron checkpoint folder
 
 
+def _query_groups(hf_config: dict, qkv_rows: int | None) -> int | None:
+    """Query groups of a stored `linear_qkv` with `qkv_rows` rows in all: (heads + 2 groups) x head_dim."""
+    if qkv_rows is None:
+        return None
+    s = get_family(hf_config).shapes(hf_config, Layout())
+    return (qkv_rows // s.head_dim - s.num_heads) // 2
+
+
 @dataclass
 class MegatronCheckpoint:
     """A Megatron checkpoint folder opened for reading: format, layout, naming and the HF config."""
@@ -456,6 +471,7 @@ class MegatronCheckpoint:
     layout: Layout
     padded_vocab_size: int
     dtype: torch.dtype
+    num_query_groups: int | None = None  # as stored (kv heads replicated for a larger TP), if known
 
     @classmethod
     def open(cls, path: str, hf_config: str | None = None) -> "MegatronCheckpoint":
@@ -474,7 +490,7 @@ class MegatronCheckpoint:
         manifest = read_manifest(path) if os.path.isfile(os.path.join(path, MANIFEST)) else {}
         divisible_by = int(manifest.get("make_vocab_size_divisible_by", 128))
         if fmt == "torch_dist":
-            dtype, rows, args = torch_dist_info(step_dir)
+            dtype, rows, args, qkv_rows = torch_dist_info(step_dir)
             tp = int(getattr(args, "tensor_model_parallel_size", 1))
             pp = int(getattr(args, "pipeline_model_parallel_size", 1))
             impl = manifest.get("impl") or getattr(args, "transformer_impl", None) or "local"
@@ -485,12 +501,16 @@ class MegatronCheckpoint:
             if emb is None:
                 raise ConversionError(f"{legacy_rank_dir(step_dir, 0, 0, pp)}: no embedding.word_embeddings.weight")
             dtype, rows = emb.dtype, emb.shape[0] * tp
+            qkv = first.get("decoder.layers.0.self_attention.linear_qkv.weight")
+            qkv_rows = None if qkv is None else qkv.shape[0] * tp
             te = any(k.endswith(".layer_norm_weight") for k in first)
             impl = "transformer_engine" if te else "local"
-        return cls(path, step_dir, fmt, cfg, hf_side, impl, Layout(tp, pp, divisible_by), rows, dtype)
+        return cls(path, step_dir, fmt, cfg, hf_side, impl, Layout(tp, pp, divisible_by), rows, dtype,
+                   _query_groups(cfg, qkv_rows))
 
     def plan(self) -> Plan:
-        return make_plan(self.hf_config, self.layout, self.impl, padded_vocab_size=self.padded_vocab_size)
+        return make_plan(self.hf_config, self.layout, self.impl, padded_vocab_size=self.padded_vocab_size,
+                         num_query_groups=self.num_query_groups)
 
     def hf_getter(self) -> tuple[Callable[[str], Tensor], list[str]]:
         """Random access to the checkpoint as HF tensors: (get(name), names). Reads the Megatron
@@ -579,8 +599,10 @@ def load_megatron_model(ckpt_dir: str, tp: int = 1, pp: int = 1, impl: str | Non
     ckpt = MegatronCheckpoint.open(ckpt_dir, hf_config)
     impl = impl or ckpt.impl
     ensure_model_parallel(tp, pp)
+    # torch_dist is loaded as stored (its kv-head replication included); legacy goes through HF tensors
+    groups = {"num_query_groups": ckpt.num_query_groups} if ckpt.format == "torch_dist" else {}
     model = build_model(ckpt.hf_config, tp, pp, impl=impl, dtype=dtype,
-                        padded_vocab_size=ckpt.padded_vocab_size, perform_initialization=False)
+                        padded_vocab_size=ckpt.padded_vocab_size, perform_initialization=False, **groups)
     if ckpt.format == "torch_dist":
         loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, ckpt.step_dir)["model"]
         model.load_state_dict(loaded, strict=True)

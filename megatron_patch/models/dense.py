@@ -38,12 +38,12 @@ from megatron_patch.models.mappings import (
     ColumnParallel,
     Drop,
     GatedMLP,
+    GroupedQKV,
     Mapping,
     PackedQKV,
     Replicated,
     RowParallel,
     Shapes,
-    Split,
     VocabParallel,
 )
 
@@ -288,8 +288,7 @@ class DenseDecoder(ModelFamily):
             for p in params:
                 if kind is QKV:
                     if isinstance(hf_name, str):
-                        op = (Split(f"{hf}{hf_name}.{p}", mc + megatron + "." + p, dim=0) if n.qkv_grouped
-                              else PackedQKV(f"{hf}{hf_name}.{p}", f"{mc}{megatron}.{p}"))
+                        op = (GroupedQKV if n.qkv_grouped else PackedQKV)(f"{hf}{hf_name}.{p}", f"{mc}{megatron}.{p}")
                     else:
                         op = QKV(*(f"{hf}{h}.{p}" for h in hf_name), f"{mc}{megatron}.{p}")
                 elif kind is GatedMLP:

@@ -12,7 +12,8 @@ optional biases (`bias`), tied embeddings by default, and three block shapes:
 `query_key_value` is, in every shape, grouped per kv head as [its q heads, k, v] (MHA: per head
 [q, k, v]; MQA: [all q, k, v]) — megatron-core's own `linear_qkv` order — so it is split over TP by whole
 groups and otherwise copied. `alibi: true` (Falcon-RW) is refused: Falcon scales its ALiBi bias with
-the scores, unlike Bloom. One kv head (Falcon-7B) cannot be split over TP in megatron-core.
+the scores, unlike Bloom. At TP larger than the kv heads (Falcon-7B at TP=2) the kv heads are
+replicated (`models.family.query_groups_for`).
 """
 
 import dataclasses

@@ -54,6 +54,19 @@ def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
     return int(math.ceil(vocab_size / multiple) * multiple)
 
 
+def query_groups_for(kv_heads: int, tp: int) -> int:
+    """megatron-core's `num_query_groups` for a model with `kv_heads` at tensor parallelism `tp`.
+    megatron-core splits attention over TP by query groups (num_query_groups % TP == 0); with fewer kv
+    heads than TP (one kv head at TP=2), each kv head is replicated TP / kv_heads times, which
+    computes the same function (the mapping ops copy the heads; `Shapes.kv_replicas`)."""
+    if kv_heads % tp == 0:
+        return kv_heads
+    if tp % kv_heads == 0:
+        return tp
+    raise ValueError(f"TP={tp} does not divide the {kv_heads} kv heads (query groups), nor do they divide TP; "
+                     "megatron-core needs num_query_groups % TP == 0")
+
+
 @dataclass(frozen=True)
 class Layout:
     """A parallel layout plus the vocab padding rule that depends on it."""
@@ -67,11 +80,7 @@ class Layout:
             raise ValueError(f"TP and PP must be >= 1 (got TP={self.tp}, PP={self.pp})")
         if num_heads % self.tp:
             raise ValueError(f"TP={self.tp} does not divide the {num_heads} attention heads")
-        if num_query_groups % self.tp:
-            raise ValueError(
-                f"TP={self.tp} does not divide the {num_query_groups} kv heads (query groups); "
-                "megatron-core needs num_query_groups % TP == 0"
-            )
+        query_groups_for(num_query_groups, self.tp)
         if num_layers % self.pp:
             raise ValueError(f"PP={self.pp} does not divide the {num_layers} layers")
 
@@ -94,17 +103,19 @@ class ModelFamily:
     def shapes(self, hf_config: Any, layout: Layout) -> Shapes:
         ck = self.config_kwargs(hf_config)
         vocab = int(cfg_get(hf_config, "vocab_size"))
+        groups = ck.get("num_query_groups") or ck["num_attention_heads"]
+        layout.check(ck["num_layers"], ck["num_attention_heads"], groups)
         return Shapes(
             num_heads=ck["num_attention_heads"],
-            num_query_groups=ck.get("num_query_groups") or ck["num_attention_heads"],
+            num_query_groups=query_groups_for(groups, layout.tp),
             head_dim=ck.get("kv_channels") or ck["hidden_size"] // ck["num_attention_heads"],
             vocab_size=vocab,
             padded_vocab_size=padded_vocab_size(vocab, layout.tp, layout.make_vocab_size_divisible_by),
+            hf_query_groups=groups,
         )
 
     def check_layout(self, hf_config: Any, layout: Layout) -> None:
-        s = self.shapes(hf_config, layout)
-        layout.check(self.config_kwargs(hf_config)["num_layers"], s.num_heads, s.num_query_groups)
+        self.shapes(hf_config, layout)
 
     # ---- (b) layer spec ---------------------------------------------------------------------
     def layer_spec(self, hf_config: Any, impl: Impl):
@@ -150,16 +161,21 @@ def runtime_config_kwargs(dtype: torch.dtype = torch.float32) -> dict:
 
 def transformer_config(hf_config: Any, layout: Layout = Layout(), dtype: torch.dtype = torch.float32,
                        family: ModelFamily | None = None, **overrides):
-    """`TransformerConfig` for `hf_config` at `layout`; `overrides` win over everything."""
+    """`TransformerConfig` for `hf_config` at `layout`; `overrides` win over everything (a checkpoint's
+    `num_query_groups`, e.g., when it was made with kv heads replicated for another TP)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from megatron_patch.models.registry import get_family
 
     family = family or get_family(hf_config)
-    family.check_layout(hf_config, layout)
+    shapes = family.shapes(hf_config, layout)
     kwargs = {**family.config_kwargs(hf_config), **runtime_config_kwargs(dtype),
+              "num_query_groups": shapes.num_query_groups,
               "tensor_model_parallel_size": layout.tp, "pipeline_model_parallel_size": layout.pp,
               **overrides}
+    if kwargs["num_query_groups"] % layout.tp or kwargs["num_query_groups"] % shapes.hf_query_groups:
+        raise ValueError(f"num_query_groups={kwargs['num_query_groups']} must be a multiple of TP={layout.tp} "
+                         f"and of the {shapes.hf_query_groups} kv heads")
     known = {f.name for f in fields(TransformerConfig)}
     unknown = sorted(set(kwargs) - known)
     if unknown:
@@ -176,7 +192,8 @@ def build_model(hf_config: Any, tp: int = 1, pp: int = 1, impl: Impl = "local",
     Model parallelism must be initialised for TP x PP (`parallel_state.initialize_model_parallel`);
     for TP=PP=1 with nothing set up, a gloo world of one is created here. The embedding is padded
     per `make_vocab_size_divisible_by` x TP unless `padded_vocab_size` (e.g. a checkpoint's) is given.
-    `config_overrides` are TransformerConfig fields (e.g. `perform_initialization=False`)."""
+    `config_overrides` are TransformerConfig fields (e.g. `perform_initialization=False`, or a
+    checkpoint's `num_query_groups`)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 

@@ -5,7 +5,8 @@ MHA (`c_attn` laid out per head as [q, k, v], megatron-core's own order).
 
 Config keys: `n_embd`, `n_head`, `n_layer`, `n_inner` (default 4 x n_embd), `n_positions`,
 `layer_norm_epsilon`, `activation_function`, `multi_query`, `scale_attn_weights` (must be true),
-`vocab_size`, `tie_word_embeddings`. With one kv head, megatron-core cannot split attention over TP.
+`vocab_size`, `tie_word_embeddings`. With one kv head at TP > 1 the kv head is replicated
+(`models.family.query_groups_for`).
 """
 
 import dataclasses

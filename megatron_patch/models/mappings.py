@@ -10,6 +10,7 @@ whole tensors and the TP size.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -21,10 +22,15 @@ class Shapes:
     """Architecture numbers the ops need (derived from the HF config by the family)."""
 
     num_heads: int
-    num_query_groups: int
+    num_query_groups: int  # megatron's (kv heads replicated up to TP when TP > the HF kv heads)
     head_dim: int
     vocab_size: int
     padded_vocab_size: int
+    hf_query_groups: int | None = None  # the checkpoint's kv heads, when megatron replicates them
+
+    @property
+    def kv_replicas(self) -> int:
+        return self.num_query_groups // (self.hf_query_groups or self.num_query_groups)
 
 
 @dataclass(frozen=True)
@@ -123,25 +129,45 @@ class VocabParallel(Split):
 
 class QKV(Split):
     """q|k|v projections -> Megatron's fused `linear_qkv`, interleaved per query group:
-    [q heads of group 0, k_0, v_0, q heads of group 1, k_1, v_1, ...]. TP takes whole groups."""
+    [q heads of group 0, k_0, v_0, q heads of group 1, k_1, v_1, ...]. TP takes whole groups.
+
+    When megatron has more query groups than the checkpoint has kv heads (one kv head split over TP=2:
+    `Shapes.kv_replicas` > 1), each kv head is repeated for its consecutive groups; back to HF, the
+    copies must still be equal (they are unless trained apart) and one is kept."""
 
     def __init__(self, q: str, k: str, v: str, megatron: str):
         Split.__init__(self, (q, k, v), megatron, dim=0)
 
-    def to_megatron(self, hf: list[Tensor], s: Shapes) -> Tensor:
-        q, k, v = hf
-        g, d = s.num_query_groups, s.head_dim
+    def _from_qkv(self, q: Tensor, k: Tensor, v: Tensor, s: Shapes) -> Tensor:
+        g, d, r = s.num_query_groups, s.head_dim, s.kv_replicas
         rest = q.shape[1:]
-        parts = [q.reshape(g, -1, *rest), k.reshape(g, d, *rest), v.reshape(g, d, *rest)]
-        return torch.cat(parts, dim=1).reshape(-1, *rest)
+        kv = [t.reshape(g // r, d, *rest).repeat_interleave(r, dim=0) for t in (k, v)]
+        return torch.cat([q.reshape(g, -1, *rest), *kv], dim=1).reshape(-1, *rest)
 
-    def to_hf(self, full: Tensor, s: Shapes) -> list[Tensor]:
-        g, d = s.num_query_groups, s.head_dim
+    def _to_qkv(self, full: Tensor, s: Shapes) -> list[Tensor]:
+        g, d, r = s.num_query_groups, s.head_dim, s.kv_replicas
         per_group_q = s.num_heads // g * d
         rest = full.shape[1:]
         grouped = full.reshape(g, per_group_q + 2 * d, *rest)
         q, k, v = torch.split(grouped, [per_group_q, d, d], dim=1)
+        if r > 1:
+            kept = []
+            for t in (k, v):
+                copies = t.reshape(g // r, r, d, *rest)
+                if not all(torch.equal(copies[:, 0], copies[:, i]) for i in range(1, r)):
+                    raise ValueError(
+                        f"{self.megatron}: the {r} copies of each kv head (replicated to split "
+                        f"{g // r} kv heads over TP) differ, e.g. after training at that TP; the HF "
+                        "architecture holds one copy")
+                kept.append(copies[:, 0])
+            k, v = kept
         return [t.reshape(-1, *rest).contiguous() for t in (q, k, v)]
+
+    def to_megatron(self, hf: list[Tensor], s: Shapes) -> Tensor:
+        return self._from_qkv(*hf, s)
+
+    def to_hf(self, full: Tensor, s: Shapes) -> list[Tensor]:
+        return self._to_qkv(full, s)
 
 
 class PackedQKV(QKV):
@@ -152,17 +178,39 @@ class PackedQKV(QKV):
         Split.__init__(self, packed, megatron, dim=0)
 
     def _sizes(self, s: Shapes) -> list[int]:
-        kv = s.num_query_groups * s.head_dim
+        kv = (s.hf_query_groups or s.num_query_groups) * s.head_dim
         return [s.num_heads * s.head_dim, kv, kv]
 
     def to_megatron(self, hf: list[Tensor], s: Shapes) -> Tensor:
         (t,) = hf
         if t.shape[0] != sum(self._sizes(s)):
             raise ValueError(f"{self.hf[0]}: {t.shape[0]} rows, expected q|k|v = {self._sizes(s)}")
-        return super().to_megatron(list(torch.split(t, self._sizes(s), dim=0)), s)
+        return self._from_qkv(*torch.split(t, self._sizes(s), dim=0), s)
 
     def to_hf(self, full: Tensor, s: Shapes) -> list[Tensor]:
-        return [torch.cat(super().to_hf(full, s), dim=0)]
+        return [torch.cat(self._to_qkv(full, s), dim=0)]
+
+
+class GroupedQKV(QKV):
+    """One HF tensor already in megatron's per-group order, [q heads of group 0, k_0, v_0, ...] (Bloom,
+    Falcon, InternLM2 `wqkv`, GPTBigCode MHA): copied, or regrouped when kv heads are replicated."""
+
+    def __init__(self, grouped: str, megatron: str):
+        Split.__init__(self, grouped, megatron, dim=0)
+
+    def _hf_shapes(self, s: Shapes) -> Shapes:
+        return dataclasses.replace(s, num_query_groups=s.hf_query_groups or s.num_query_groups, hf_query_groups=None)
+
+    def to_megatron(self, hf: list[Tensor], s: Shapes) -> Tensor:
+        (t,) = hf
+        if s.kv_replicas == 1:
+            return t
+        return self._from_qkv(*self._to_qkv(t, self._hf_shapes(s)), s)
+
+    def to_hf(self, full: Tensor, s: Shapes) -> list[Tensor]:
+        if s.kv_replicas == 1:
+            return [full]
+        return [self._from_qkv(*self._to_qkv(full, s), self._hf_shapes(s))]
 
 
 class GatedMLP(Mapping):

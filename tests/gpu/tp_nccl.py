@@ -1,6 +1,7 @@
 """TP=2 and PP=2 over NCCL (two GPUs) vs TP=1, for the families whose modules touch TP: ALiBi slopes
-per rank (Bloom, 6 heads = 3 per rank), parallel attention + MLP (Falcon-40B, Falcon2-11B), post norms
-(GLM-4), sliding window (Mistral), LLaMA; both implementations, fp32 on the device.
+per rank (Bloom, 6 heads = 3 per rank), parallel attention + MLP (Falcon-7B/40B, Falcon2-11B), one kv
+head replicated over TP (Falcon-7B, StarCoder), post norms (GLM-4), sliding window (Mistral), LLaMA;
+both implementations, fp32 on the device.
 
 Run: torchrun --nproc_per_node 2 tests/gpu/tp_nccl.py OUT.json   (tests/gpu/test_tp_nccl.py does)"""
 
@@ -11,7 +12,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-VARIANTS = ["gqa", "bloom_6heads", "falcon_40b", "falcon_11b", "glm4", "mistral_swa", "baichuan2_13b"]
+VARIANTS = ["gqa", "bloom_6heads", "falcon_7b", "falcon_40b", "falcon_11b", "glm4", "mistral_swa", "baichuan2_13b",
+            "starcoder"]
 LAYOUTS = [(1, 1), (2, 1), (1, 2)]
 
 

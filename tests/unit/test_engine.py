@@ -84,14 +84,37 @@ def test_strict_missing_and_unexpected(tiny):
         megatron_to_hf(plan, ranks)
 
 
-@pytest.mark.parametrize("variant,tp,pp,match", [
-    ("mqa", 2, 1, "does not divide the 1 kv heads"),
-    ("gqa", 4, 1, "does not divide the 2 kv heads"),
-    ("gqa", 1, 3, "does not divide the 4 layers"),
+@pytest.mark.parametrize("overrides,tp,pp,match", [
+    ({"num_attention_heads": 6, "num_key_value_heads": 3}, 2, 1, "does not divide the 3 kv heads"),
+    ({}, 3, 1, "does not divide the 8 attention heads"),
+    ({}, 1, 3, "does not divide the 4 layers"),
 ])
-def test_bad_layouts(variant, tp, pp, match):
+def test_bad_layouts(overrides, tp, pp, match):
     with pytest.raises(ValueError, match=match):
-        make_plan(llama_config(variant), Layout(tp, pp))
+        make_plan(llama_config("gqa", **overrides), Layout(tp, pp))
+
+
+@pytest.mark.parametrize("variant,tp", [("mqa", 2), ("gqa", 4)])
+def test_kv_heads_replicated_when_tp_exceeds_them(variant, tp):
+    """One kv head at TP=2 (two at TP=4): megatron gets TP query groups, each HF kv head copied to
+    consecutive groups; back to HF the copies collapse bitwise, and copies that differ are an error."""
+    cfg = llama_config(variant)
+    sd = hf_model(cfg).state_dict()
+    plan = make_plan(cfg, Layout(tp, 1))
+    assert plan.shapes.num_query_groups == tp and plan.shapes.kv_replicas == tp // cfg["num_key_value_heads"]
+    ranks = hf_to_megatron(plan, sd.__getitem__, sd.keys())
+    d, per_rank_q = cfg["head_dim"], cfg["num_attention_heads"] // tp * cfg["head_dim"]
+    k_of = [ranks[(t, 0)]["decoder.layers.0.self_attention.linear_qkv.weight"][per_rank_q: per_rank_q + d]
+            for t in range(tp)]
+    groups, r = cfg["num_key_value_heads"], tp // cfg["num_key_value_heads"]
+    k_hf = sd["model.layers.0.self_attn.k_proj.weight"].view(groups, d, -1)
+    for t in range(tp):
+        assert torch.equal(k_of[t], k_hf[t // r])
+    back = megatron_to_hf(plan, ranks)
+    assert all(torch.equal(back[k], sd[k]) for k in sd)
+    ranks[(1, 0)]["decoder.layers.0.self_attention.linear_qkv.weight"][per_rank_q] += 1.0
+    with pytest.raises(ValueError, match="copies of each kv head"):
+        megatron_to_hf(plan, ranks)
 
 
 def test_dtype_cast(tiny):
