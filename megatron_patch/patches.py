@@ -114,3 +114,30 @@ def _cpu_cuda_calls() -> Callable[[], None] | None:
         torch.cuda.current_device, torch.cuda.synchronize, fused_softmax.get_sliding_window_causal_mask = originals
 
     return undo
+
+
+@register("prebuilt_dataset_helpers", ">=0.17,<0.20")
+def _prebuilt_dataset_helpers() -> Callable[[], None] | None:
+    """Skip the runtime build of megatron-core's C++ dataset helpers, which the wheel already ships.
+
+    `megatron/training/initialize.py` (`_compile_dependencies`, rank 0) calls
+    `megatron.core.datasets.utils.compile_helpers()`, which runs `make` in the installed package
+    folder; the PyPI wheel ships `helpers_cpp*.so` but no Makefile, so `make` fails and the process
+    exits. Here `compile_helpers` only imports the prebuilt extension (a clear error if it is missing)."""
+    from megatron.core.datasets import utils
+
+    original = utils.compile_helpers
+
+    def use_prebuilt() -> None:
+        try:
+            from megatron.core.datasets import helpers_cpp  # noqa: F401
+        except ImportError as e:
+            raise RuntimeError(f"megatron-core's prebuilt dataset helpers are missing ({e}); "
+                               "reinstall megatron-core from its wheel") from e
+
+    utils.compile_helpers = use_prebuilt
+
+    def undo() -> None:
+        utils.compile_helpers = original
+
+    return undo

@@ -7,6 +7,7 @@ returns the per-rank results, so one spawned world can run many checks.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import socket
@@ -30,10 +31,14 @@ class _CudaDeviceToCpu(TorchFunctionMode):
     (token counters) in every schedule, and `models/common/language_module/language_module.py`
     moves the tied output weight with `.cuda()` before its all-reduce: keep everything on the CPU."""
 
+    report_cuda_types = False  # Tensor.type() says torch.cuda.* (megatron's optimizer checks it)
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.Tensor.type and self.report_cuda_types and len(args) == 1 and not kwargs:
+            return func(*args).replace("torch.", "torch.cuda.", 1)
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
             args = (args[0], "cpu", *args[2:])
         dev = kwargs.get("device")
@@ -80,6 +85,30 @@ def install() -> None:
     if _MODE is None:
         _MODE = _CudaDeviceToCpu()
         _MODE.__enter__()
+
+
+def install_training() -> None:
+    """Also the redirects megatron.training's loop needs on a CPU (on top of `install`)."""
+    import functools
+
+    from megatron.training import training
+
+    install()
+    _MODE.report_cuda_types = True
+    # the training RNG tracker forks the "CUDA" generator: the CPU one stands in
+    from megatron.core.tensor_parallel import random as mc_random
+
+    mc_random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
+    torch.cuda.manual_seed = lambda seed: None  # type: ignore[assignment]
+    torch.cuda.manual_seed_all = lambda seed: None  # type: ignore[assignment]
+    # training.get_model builds DDP under a dedicated `torch.cuda.Stream()`
+    torch.cuda.Stream = lambda *a, **k: _DummyStream()  # type: ignore[assignment]
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()  # type: ignore[assignment]
+    if not getattr(training.initialize_megatron, "_cpu", False):
+        # `initialize_megatron` asserts CUDA unless `allow_no_cuda` (pretrain() does not pass it)
+        init = functools.partial(training.initialize_megatron, allow_no_cuda=True)
+        init._cpu = True
+        training.initialize_megatron = init
 
 
 def init_model_parallel(tp: int = 1, pp: int = 1, seed: int = 1234) -> None:

@@ -195,7 +195,6 @@ def build_model(hf_config: Any, tp: int = 1, pp: int = 1, impl: Impl = "local",
     `config_overrides` are TransformerConfig fields (e.g. `perform_initialization=False`, or a
     checkpoint's `num_query_groups`)."""
     from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
 
     from megatron_patch.models.registry import get_family
 
@@ -216,16 +215,7 @@ def build_model(hf_config: Any, tp: int = 1, pp: int = 1, impl: Impl = "local",
         pre_process = ps.is_pipeline_first_stage()
     if post_process is None:
         post_process = ps.is_pipeline_last_stage()
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=family.layer_spec(hf_config, impl),
-        vocab_size=padded_vocab_size or shapes.padded_vocab_size,
-        max_sequence_length=family.max_sequence_length(hf_config),
-        pre_process=pre_process,
-        post_process=post_process,
-        **family.gpt_kwargs(hf_config),
-    )
-    family.finalize(model, hf_config)
+    model = gpt_model(hf_config, config, padded_vocab_size or shapes.padded_vocab_size, pre_process, post_process)
     if dtype != torch.float32:
         # torch norms (local spec without Apex) are built in fp32 whatever params_dtype says;
         # megatron.training casts the same way (Float16Module)
@@ -233,6 +223,28 @@ def build_model(hf_config: Any, tp: int = 1, pp: int = 1, impl: Impl = "local",
     if not config.use_cpu_initialization:
         # as megatron.training's get_model does: modules built without a device (torch norms) follow
         model.cuda(torch.cuda.current_device())
+    return model
+
+
+def gpt_model(hf_config: Any, config, vocab_size: int, pre_process: bool, post_process: bool, **gpt_kwargs):
+    """The family's `GPTModel` for a ready `TransformerConfig` (its `transformer_impl` picks the layer
+    spec): the one place a model is assembled, for the tools (`build_model`) and for training (the
+    model provider, whose config comes from megatron.training's arguments)."""
+    from megatron.core.models.gpt import GPTModel
+
+    from megatron_patch.models.registry import get_family
+
+    family = get_family(hf_config)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=family.layer_spec(hf_config, config.transformer_impl),
+        vocab_size=vocab_size,
+        max_sequence_length=family.max_sequence_length(hf_config),
+        pre_process=pre_process,
+        post_process=post_process,
+        **{**family.gpt_kwargs(hf_config), **gpt_kwargs},
+    )
+    family.finalize(model, hf_config)
     return model
 
 

@@ -1,0 +1,39 @@
+"""The model provider megatron.training calls on every rank: the family's `GPTModel`, with
+megatron-core's `TransformerConfig` built from Megatron's arguments (parallelism, precision, fusions,
+recompute, ...) and the architecture fields replaced by the family's (activation, norms, rotary
+variant, sliding window, ... that Megatron's arguments cannot all express)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from megatron_patch.models import Layout, get_family
+from megatron_patch.models.family import gpt_model
+
+
+def transformer_config_from_args(args, hf_config: Any):
+    from megatron.training.argument_utils import core_transformer_config_from_args
+
+    family = get_family(hf_config)
+    base = core_transformer_config_from_args(args)
+    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init}
+    fields.update(family.config_kwargs(hf_config))
+    shapes = family.shapes(hf_config, Layout(args.tensor_model_parallel_size, 1, args.make_vocab_size_divisible_by))
+    fields["num_query_groups"] = shapes.num_query_groups
+    fields["hidden_dropout"], fields["attention_dropout"] = args.hidden_dropout, args.attention_dropout
+    return type(base)(**fields)
+
+
+def make_model_provider(hf_config: Any):
+    def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None,
+                       config=None, pg_collection=None):
+        from megatron.training import get_args
+
+        args = get_args()
+        tc = transformer_config_from_args(args, hf_config)
+        return gpt_model(hf_config, tc, args.padded_vocab_size, pre_process, post_process,
+                         fp16_lm_cross_entropy=args.fp16_lm_cross_entropy, parallel_output=True,
+                         **({"vp_stage": vp_stage} if vp_stage is not None else {}))
+
+    return model_provider
