@@ -11,7 +11,7 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.12",
     packages=find_packages(include=["megatron_patch", "megatron_patch.*", "toolkits", "toolkits.*"]),
-    package_data={"megatron_patch": ["assets/*.json"]},
+    package_data={"megatron_patch": ["assets/*.json", "assets/tiny_tokenizer/*.json", "assets/corpus/*"]},
     install_requires=[
         "megatron-core==0.19.2",
         "torch>=2.6",

@@ -13,15 +13,12 @@ Set MEGATRON_PATCH_TRACEBACK=1 to see the traceback behind an error.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
-import traceback
-import warnings
 
 from megatron_patch.conversion.convert import DTYPES, hf_to_mcore, mcore_to_hf, mcore_to_mcore
 from megatron_patch.conversion.mcore_io import FORMATS
 from megatron_patch.conversion.hf_io import parse_size
+from toolkits._cli import run
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -80,32 +77,25 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    # megatron-core warns at import about optional extras (Apex, absl, NVRx) it can do without
-    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
-    try:
-        if args.command == "hf-to-mcore":
-            result = hf_to_mcore(args.hf_dir, args.out, args.tp, args.pp, args.impl, args.dtype,
-                                 args.make_vocab_size_divisible_by, args.overwrite, args.format)
-        elif args.command == "mcore-to-hf":
-            result = mcore_to_hf(args.mcore_dir, args.out, args.dtype, parse_size(args.max_shard_size),
-                                 args.overwrite, args.hf_config)
-        elif args.command == "mcore-to-mcore":
-            result = mcore_to_mcore(args.mcore_dir, args.out, args.tp, args.pp, args.impl, args.format,
-                                    args.dtype, args.make_vocab_size_divisible_by, args.overwrite, args.hf_config)
-        else:
-            from megatron_patch.conversion.verify import verify
 
-            result = verify(args.hf_dir, args.mcore_dir, args.tp, args.pp, DTYPES[args.dtype], args.tolerance,
-                            args.impl, args.hf_config, args.trust_remote_code)
-    except (OSError, ValueError, KeyError, RuntimeError) as e:
-        if os.environ.get("MEGATRON_PATCH_TRACEBACK"):
-            traceback.print_exc()
-        print(f"\nerror: {e}", file=sys.stderr)  # newline: a progress bar may own the current line
-        return 1
-    except KeyboardInterrupt:
-        print("\nerror: interrupted; no output was left behind", file=sys.stderr)
-        return 130
-    print(json.dumps(result))
+    def work() -> dict:
+        if args.command == "hf-to-mcore":
+            return hf_to_mcore(args.hf_dir, args.out, args.tp, args.pp, args.impl, args.dtype,
+                               args.make_vocab_size_divisible_by, args.overwrite, args.format)
+        if args.command == "mcore-to-hf":
+            return mcore_to_hf(args.mcore_dir, args.out, args.dtype, parse_size(args.max_shard_size),
+                               args.overwrite, args.hf_config)
+        if args.command == "mcore-to-mcore":
+            return mcore_to_mcore(args.mcore_dir, args.out, args.tp, args.pp, args.impl, args.format,
+                                  args.dtype, args.make_vocab_size_divisible_by, args.overwrite, args.hf_config)
+        from megatron_patch.conversion.verify import verify
+
+        return verify(args.hf_dir, args.mcore_dir, args.tp, args.pp, DTYPES[args.dtype], args.tolerance,
+                      args.impl, args.hf_config, args.trust_remote_code)
+
+    code, result = run(work)
+    if code:
+        return code
     if args.command == "verify" and not result["ok"]:
         print(f"error: max abs logit diff {result['max_abs_logit_diff']:.3g} exceeds {result['tolerance']:g}",
               file=sys.stderr)
