@@ -8,6 +8,7 @@ patch by name; nothing is patched at import time.
 from __future__ import annotations
 
 import contextlib
+import importlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -130,7 +131,7 @@ def _prebuilt_dataset_helpers() -> Callable[[], None] | None:
 
     def use_prebuilt() -> None:
         try:
-            from megatron.core.datasets import helpers_cpp  # noqa: F401
+            importlib.import_module("megatron.core.datasets.helpers_cpp")
         except ImportError as e:
             raise RuntimeError(f"megatron-core's prebuilt dataset helpers are missing ({e}); "
                                "reinstall megatron-core from its wheel") from e

@@ -18,6 +18,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from megatron_patch import patches
     from megatron_patch.training.arguments import parse_args
+    from megatron_patch.training.checkpoint import describe_checkpoint, export_hf
     from megatron_patch.training.gpt import datasets_provider, forward_step
     from megatron_patch.training.model import make_model_provider
 
@@ -25,8 +26,10 @@ def main(argv: list[str] | None = None) -> None:
     args, hf_config = parse_args(argv)
     cfg = pretrain_cfg_container_from_args(args, None)
     cfg.model = None
+    describe_checkpoint(args)
     pretrain(cfg, datasets_provider, ModelType.encoder_or_decoder, forward_step,
              model_provider=make_model_provider(hf_config))
+    export_hf(args)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import pickle
 import socket
 import tempfile
 import traceback
+import types
 
 import torch
 import torch.distributed as dist
@@ -56,6 +57,19 @@ class _DummyStream:
 
 
 _MODE: _CudaDeviceToCpu | None = None
+_FAKE_CUDA_RNG = [torch.Generator().manual_seed(0).get_state()]
+
+
+def _get_fake_cuda_rng(device="cuda") -> torch.Tensor:
+    return _FAKE_CUDA_RNG[0].clone()
+
+
+def _set_fake_cuda_rng(state: torch.Tensor, device="cuda") -> None:
+    _FAKE_CUDA_RNG[0] = state.clone()
+
+
+def _seed_fake_cuda_rng(seed: int) -> None:
+    _FAKE_CUDA_RNG[0] = torch.Generator().manual_seed(seed).get_state()
 
 
 def install() -> None:
@@ -73,12 +87,13 @@ def install() -> None:
     torch.cuda.device_count = lambda: 1  # type: ignore[assignment]
     torch.cuda.set_device = lambda device: None  # type: ignore[assignment]
     # CUDA RNG state (training/checkpointing.py get_rng_state, tensor_parallel/random.py
-    # _set_cuda_rng_state on load): the CPU generator stands in for the GPU's.
-    torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()  # type: ignore[assignment]
-    torch.cuda.set_rng_state = lambda state, device="cuda": torch.set_rng_state(state)  # type: ignore[assignment]
+    # _set_cuda_rng_state on load, the TP RNG tracker's forks): a separate state tensor stands in for
+    # the GPU generator, so forking it never touches the CPU generator that CPU initialisation uses
+    torch.cuda.get_rng_state = _get_fake_cuda_rng  # type: ignore[assignment]
+    torch.cuda.set_rng_state = _set_fake_cuda_rng  # type: ignore[assignment]
     from megatron.core.tensor_parallel import random as mc_random
 
-    mc_random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
+    mc_random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: _set_fake_cuda_rng(new_state)
     # The default causal mask of `megatron/core/transformer/utils.py` is built on "cuda": tests
     # always pass an explicit boolean mask instead (megatron_patch.conversion.verify.causal_mask).
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
@@ -95,12 +110,15 @@ def install_training() -> None:
 
     install()
     _MODE.report_cuda_types = True
+    # validate_args asks the device generation for TP > 1 (sequence-parallel / comm-overlap rules)
+    torch.cuda.get_device_properties = lambda device=None: types.SimpleNamespace(  # type: ignore[assignment]
+        major=9, minor=0, name="cpu", total_memory=0, multi_processor_count=1)
     # the training RNG tracker forks the "CUDA" generator: the CPU one stands in
     from megatron.core.tensor_parallel import random as mc_random
 
-    mc_random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
-    torch.cuda.manual_seed = lambda seed: None  # type: ignore[assignment]
-    torch.cuda.manual_seed_all = lambda seed: None  # type: ignore[assignment]
+    mc_random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: _get_fake_cuda_rng()
+    torch.cuda.manual_seed = _seed_fake_cuda_rng  # type: ignore[assignment]
+    torch.cuda.manual_seed_all = _seed_fake_cuda_rng  # type: ignore[assignment]
     # training.get_model builds DDP under a dedicated `torch.cuda.Stream()`
     torch.cuda.Stream = lambda *a, **k: _DummyStream()  # type: ignore[assignment]
     torch.cuda.stream = lambda stream=None: contextlib.nullcontext()  # type: ignore[assignment]

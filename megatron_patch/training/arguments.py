@@ -12,9 +12,10 @@ import os
 import sys
 from typing import Any
 
-from megatron_patch.models import get_family, load_hf_config
+from megatron_patch.models import Layout, get_family, load_hf_config
 
 
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 _TRAINING_CHOICES = {"hidden_dropout", "attention_dropout", "init_method_std"}
 
 
@@ -23,17 +24,23 @@ def add_patch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--hf-config", help="HF config.json (or its folder): the model architecture and family")
     g.add_argument("--load-hf", help="start from this HF checkpoint folder (no separate conversion step; "
                                      "each rank reads only its own shard); implies --hf-config DIR")
-    g.add_argument("--save-hf", help="export the final model to this HF folder (safetensors + config)")
+    g.add_argument("--save-hf", help="export the final model to this HF folder (safetensors + config); "
+                                     "needs --save")
+    g.add_argument("--precision", choices=PRECISIONS,
+                   help="one switch for the numeric format: bf16/fp16 (Megatron's --bf16/--fp16), fp8 (bf16 with "
+                        "Transformer Engine FP8 GEMMs: --fp8-format, default hybrid; --fp8-recipe, default delayed) "
+                        "or fp32; checked against the machine before any GPU work")
     return parser
 
 
-def resolve_hf_config(args: argparse.Namespace) -> dict:
-    """The HF config from --hf-config, --load-hf, or a converted checkpoint's `hf/` folder (--load)."""
+def hf_config_source(args: argparse.Namespace) -> str:
+    """Where the HF config comes from: --hf-config, --load-hf, or a checkpoint's `hf/` folder (--load;
+    converted by megatron_patch, or saved by a run of ours)."""
     for source in (args.hf_config, args.load_hf):
         if source:
-            return load_hf_config(source)
+            return source
     if args.load and os.path.isfile(os.path.join(args.load, "hf", "config.json")):
-        return load_hf_config(os.path.join(args.load, "hf"))
+        return os.path.join(args.load, "hf")
     raise ValueError("no model architecture: pass --hf-config PATH (an HF config.json or folder), --load-hf DIR, "
                      "or --load a checkpoint converted by megatron_patch")
 
@@ -78,7 +85,8 @@ def parse_args(argv: list[str] | None = None, extra_args_provider=None) -> tuple
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
     args = megatron_parse_args(extra)
-    hf_config = resolve_hf_config(args)
+    args.hf_config = hf_config_source(args)
+    hf_config = load_hf_config(args.hf_config)
     given = set(sys.argv[1:])
     for key, value in architecture_args(hf_config).items():
         flag = "--" + key.replace("_", "-")
@@ -88,6 +96,61 @@ def parse_args(argv: list[str] | None = None, extra_args_provider=None) -> tuple
             raise ValueError(f"{flag} {getattr(args, key)} conflicts with the HF config ({value}); the "
                              "architecture comes from --hf-config / --load-hf")
         setattr(args, key, value)
+    apply_precision(args)
+    if args.save_hf and not args.save:
+        raise ValueError("--save-hf exports the final checkpoint: it needs --save DIR")
+    if args.save_hf and os.path.exists(args.save_hf):
+        raise ValueError(f"--save-hf {args.save_hf} already exists")
+    if args.tokenizer_type is None and args.load_hf:
+        # the HF checkpoint's own tokenizer, unless another is named
+        args.tokenizer_type, args.tokenizer_model = "HuggingFaceTokenizer", args.load_hf
     validate_args(args, {})
+    if args.load_hf and args.virtual_pipeline_model_parallel_size:
+        raise ValueError("--load-hf with a virtual pipeline is not supported; convert with "
+                         "toolkits.checkpoint_converter and --load instead")
     set_global_variables(args)
+    _match_vocab(args, hf_config)
+    # resuming a run (a checkpoint in --load) wins over --load-hf
+    args.resuming = bool(args.load) and os.path.isfile(os.path.join(args.load, "latest_checkpointed_iteration.txt"))
     return args, hf_config
+
+
+def apply_precision(args: argparse.Namespace) -> None:
+    """`--precision` -> Megatron's flags; fp8 needs Transformer Engine and a GPU that has FP8 (Hopper,
+    Ada, Blackwell), checked here, before any GPU work starts."""
+    if args.precision is None:
+        return
+    args.bf16 = args.precision in ("bf16", "fp8")
+    args.fp16 = args.precision == "fp16"
+    if args.precision != "fp8":
+        args.fp8 = None
+        return
+    import importlib.util
+
+    import torch
+
+    if importlib.util.find_spec("transformer_engine") is None:
+        raise ValueError("--precision fp8 needs Transformer Engine; install megatron_patch[te]")
+
+    if not torch.cuda.is_available():
+        raise ValueError("--precision fp8 needs a CUDA GPU")
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) < (8, 9):
+        raise ValueError(f"--precision fp8 needs a GPU with FP8 (compute capability >= 8.9); "
+                         f"{torch.cuda.get_device_name()} is {major}.{minor}")
+    args.fp8 = args.fp8 or "hybrid"
+    args.transformer_impl = "transformer_engine"
+
+
+def _match_vocab(args: argparse.Namespace, hf_config: Any) -> None:
+    """The embedding has the HF config's vocab (padded as the converter pads it), which must hold
+    every token id the tokenizer produces."""
+    from megatron.training import get_tokenizer
+
+    shapes = get_family(hf_config).shapes(
+        hf_config, Layout(args.tensor_model_parallel_size, 1, args.make_vocab_size_divisible_by))
+    tokens = get_tokenizer().vocab_size
+    if tokens > shapes.vocab_size:
+        raise ValueError(f"the tokenizer has {tokens} tokens but the model's vocab_size is {shapes.vocab_size} "
+                         "(tokenizer and model do not match)")
+    args.padded_vocab_size = shapes.padded_vocab_size

@@ -25,6 +25,23 @@ def transformer_config_from_args(args, hf_config: Any):
     return type(base)(**fields)
 
 
+def load_hf_weights(model, hf_dir: str, hf_config: Any, args) -> None:
+    """Fill this rank's freshly built model from an HF checkpoint: only the tensors of this rank's
+    pipeline stage are read (one at a time, positioned reads), and this TP rank keeps its slice."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_patch.conversion.engine import hf_to_megatron, load_rank_state_dict, make_plan
+    from megatron_patch.conversion.hf_io import HFCheckpoint
+
+    layout = Layout(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                    args.make_vocab_size_divisible_by)
+    plan = make_plan(hf_config, layout, args.transformer_impl, padded_vocab_size=args.padded_vocab_size)
+    rank = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank())
+    ckpt = HFCheckpoint(hf_dir)
+    state = hf_to_megatron(plan, ckpt.get, ckpt.keys(), stages=[rank[1]], tp_ranks=[rank[0]])[rank]
+    load_rank_state_dict(model, state)
+
+
 def make_model_provider(hf_config: Any):
     def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None,
                        config=None, pg_collection=None):
@@ -32,8 +49,11 @@ def make_model_provider(hf_config: Any):
 
         args = get_args()
         tc = transformer_config_from_args(args, hf_config)
-        return gpt_model(hf_config, tc, args.padded_vocab_size, pre_process, post_process,
-                         fp16_lm_cross_entropy=args.fp16_lm_cross_entropy, parallel_output=True,
-                         **({"vp_stage": vp_stage} if vp_stage is not None else {}))
+        model = gpt_model(hf_config, tc, args.padded_vocab_size, pre_process, post_process,
+                          fp16_lm_cross_entropy=args.fp16_lm_cross_entropy, parallel_output=True,
+                          **({"vp_stage": vp_stage} if vp_stage is not None else {}))
+        if args.load_hf and not args.resuming:
+            load_hf_weights(model, args.load_hf, hf_config, args)
+        return model
 
     return model_provider

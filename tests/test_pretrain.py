@@ -1,0 +1,144 @@
+"""`python -m megatron_patch.pretrain` end to end on CPU (megatron.training over gloo; test-only CPU
+redirects in tests/_cpu.py), on the bundled corpus tokenized by `toolkits.preprocess_data`:
+
+- a tiny LLaMA from an HF config trains (loss falls), saves at iteration 10 and resumes to 15 with
+  every micro-batch loss of 11-15 equal to an uninterrupted 15-iteration run (1e-6), at TP=1 and TP=2,
+  and TP=2 matches TP=1;
+- `--load-hf` starts from an HF checkpoint (first-batch loss = transformers' loss on that batch) and
+  `--save-hf` exports the trained model.
+"""
+
+import contextlib
+import gzip
+import io
+import json
+import os
+
+import pytest
+import torch
+
+from megatron_patch.testing import TINY_LLAMA
+from megatron_patch.tokenizer import CORPUS, TINY_TOKENIZER
+from tests import _cpu
+
+
+def _run(rank: int, argv: list[str]) -> dict:
+    """One training run in this process; returns every micro-batch's loss (in order) and the first batch."""
+    _cpu.install_training()
+    from megatron_patch.pretrain import main
+    from megatron_patch.training import gpt
+
+    losses, batches, loss_func, get_batch = [], [], gpt.loss_func, gpt.get_batch
+
+    def record_loss(mask, output):
+        out = loss_func(mask, output)
+        losses.append(out[0].item() / out[1].item())
+        return out
+
+    def record_batch(it):
+        batch = get_batch(it)
+        if not batches:
+            batches.append({k: batch[k].clone() for k in ("tokens", "labels", "loss_mask")})
+        return batch
+
+    gpt.loss_func, gpt.get_batch = record_loss, record_batch
+    with contextlib.redirect_stdout(io.StringIO()):
+        try:
+            main(argv)
+        except SystemExit as e:  # --exit-interval ends the run with sys.exit(0)
+            if e.code not in (0, None):
+                raise
+    return {"losses": losses, "first_batch": batches[0] if batches else None}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """The first 400 documents of the bundled corpus as a Megatron indexed dataset."""
+    from toolkits.preprocess_data import preprocess
+
+    root = tmp_path_factory.mktemp("data")
+    with gzip.open(CORPUS, "rt") as f, open(root / "docs.jsonl", "w") as out:
+        for _, line in zip(range(400), f):
+            out.write(line)
+    preprocess([str(root / "docs.jsonl")], str(root / "docs"), TINY_TOKENIZER, append_eod=True)
+    return str(root / "docs_text_document")
+
+
+def _argv(data: str, save: str, *extra: str, model=("--hf-config", TINY_LLAMA)) -> list[str]:
+    return [*model, "--data-path", data, "--split", "100,0,0", "--tokenizer-type", "HuggingFaceTokenizer",
+            "--tokenizer-model", TINY_TOKENIZER, "--seq-length", "64", "--micro-batch-size", "2",
+            "--global-batch-size", "4", "--train-iters", "15", "--lr", "3e-3", "--min-lr", "3e-4",
+            "--lr-decay-style", "cosine", "--lr-warmup-iters", "2", "--transformer-impl", "local",
+            "--use-cpu-initialization", "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
+            "--no-persist-layer-norm", "--no-rope-fusion", "--no-bias-swiglu-fusion", "--distributed-backend",
+            "gloo", "--num-workers", "0", "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000",
+            "--save", save, "--save-interval", "10", "--seed", "1234", "--data-cache-path",
+            os.path.join(os.path.dirname(save), "cache"), *extra]
+
+
+def _train(world: int, argv: list[str]) -> dict:
+    return _cpu.run_world(world, _run, argv)[-1]  # the last rank holds the loss
+
+
+@pytest.fixture(scope="module")
+def tp1_full(data, tmp_path_factory):
+    return _train(1, _argv(data, str(tmp_path_factory.mktemp("tp1") / "ckpt")))["losses"]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_resume_matches_uninterrupted(data, tmp_path, tp1_full, tp):
+    layout = ["--tensor-model-parallel-size", str(tp)]
+    full = tp1_full if tp == 1 else _train(tp, _argv(data, str(tmp_path / "full"), *layout))["losses"]
+    first = _train(tp, _argv(data, str(tmp_path / "ckpt"), *layout, "--exit-interval", "10"))["losses"]
+    resumed = _train(tp, _argv(data, str(tmp_path / "ckpt"), *layout, "--load", str(tmp_path / "ckpt")))["losses"]
+    assert len(full) == 30 and len(first) == 20 and len(resumed) == 10  # 2 micro-batches per iteration
+    assert max(abs(a - b) for a, b in zip(first + resumed, full)) <= 1e-6
+    # it learns: from ~log(1000) = 6.9 at the start, the last iterations are clearly lower (~6.4)
+    assert sum(full[-4:]) / 4 < sum(full[:4]) / 4 - 0.3, full
+
+
+@pytest.fixture(scope="module")
+def hf_start(tmp_path_factory):
+    from tests.models import hf_model, llama_config, save_hf
+
+    return save_hf(hf_model(llama_config("gqa")), str(tmp_path_factory.mktemp("hf") / "hf"))
+
+
+@pytest.fixture(scope="module")
+def from_hf_tp1(data, hf_start, tmp_path_factory):
+    root = tmp_path_factory.mktemp("from_hf")
+    # no vocab padding at TP=1 or 2 (1000 = 125 x 4 x 2): padded rows would add zero logits to the softmax
+    return _train(1, _argv(data, str(root / "ckpt"), "--train-iters", "4", "--make-vocab-size-divisible-by", "4",
+                           "--save-hf", str(root / "exported"), model=("--load-hf", hf_start))), root
+
+
+def test_load_hf_reproduces_hf_loss_and_save_hf_exports(from_hf_tp1, hf_start):
+    """--load-hf: the first micro-batch's loss is transformers' loss on it; --save-hf: the trained model
+    is exported with the source's names and config."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_patch.conversion.hf_io import read_all
+
+    run, root = from_hf_tp1
+    b = run["first_batch"]
+    hf = AutoModelForCausalLM.from_pretrained(hf_start, attn_implementation="eager").eval()
+    with torch.no_grad():
+        logits = hf(b["tokens"]).logits.float()
+    token_loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), b["labels"].flatten(), reduction="none")
+    mask = b["loss_mask"].flatten().float()
+    assert abs((token_loss * mask).sum().item() / mask.sum().item() - run["losses"][0]) <= 1e-5
+    exported, original = read_all(str(root / "exported")), read_all(hf_start)
+    assert set(exported) == set(original)
+    assert all(exported[k].shape == original[k].shape for k in original)
+    assert not torch.equal(exported["model.layers.0.mlp.up_proj.weight"], original["model.layers.0.mlp.up_proj.weight"])
+    config = json.load(open(root / "exported" / "config.json"))
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["vocab_size"] == 1000
+
+
+def test_tp2_from_hf_matches_tp1(from_hf_tp1, data, hf_start, tmp_path):
+    """From the same HF weights, TP=2 trains with the same losses as TP=1 (fp32; reduction order only)."""
+    run = _train(2, _argv(data, str(tmp_path / "ckpt"), "--train-iters", "4", "--make-vocab-size-divisible-by", "4",
+                          "--tensor-model-parallel-size", "2", model=("--load-hf", hf_start)))
+    tp1 = from_hf_tp1[0]["losses"]
+    assert len(run["losses"]) == len(tp1) == 8
+    assert max(abs(a - b) for a, b in zip(run["losses"], tp1)) <= 1e-5
