@@ -142,3 +142,37 @@ def test_tp2_from_hf_matches_tp1(from_hf_tp1, data, hf_start, tmp_path):
     tp1 = from_hf_tp1[0]["losses"]
     assert len(run["losses"]) == len(tp1) == 8
     assert max(abs(a - b) for a, b in zip(run["losses"], tp1)) <= 1e-5
+
+
+def _parse_errors(rank: int, argvs: list[list[str]]) -> list[str]:
+    _cpu.install_training()
+    from megatron_patch.training.arguments import parse_args
+
+    messages = []
+    for argv in argvs:
+        try:
+            parse_args(argv)
+            messages.append("")
+        except ValueError as e:
+            messages.append(str(e))
+    return messages
+
+
+def test_bad_input_is_refused_before_training(data, tmp_path):
+    """Each a clear error from argument checking, before a model or a GPU is touched."""
+    cases = {  # the vocab check runs after megatron set its global state: keep it last
+        "no --data-path": ([a for a in _argv(data, str(tmp_path / "c")) if a not in ("--data-path", data)],
+                           "no training data"),
+        "missing prefix": (_argv(str(tmp_path / "nope"), str(tmp_path / "c")), "nope.bin"),
+        "fp8 without TE": (_argv(data, str(tmp_path / "c"), "--precision", "fp8"), "fp8 needs Transformer Engine"),
+        "architecture conflict": (_argv(data, str(tmp_path / "c"), "--num-layers", "7"), "--num-layers 7 conflicts"),
+        "no architecture": (_argv(data, str(tmp_path / "c"), model=()), "no model architecture"),
+        "vocab mismatch": (_argv(data, str(tmp_path / "c"), "--tokenizer-model", TINY_TOKENIZER,
+                                 model=("--hf-config", str(tmp_path / "small.json"))),
+                           "tokenizer has 1000 tokens but the model's vocab_size is 500"),
+    }
+    small = json.load(open(TINY_LLAMA))
+    json.dump({**small, "vocab_size": 500}, open(tmp_path / "small.json", "w"))
+    messages = _cpu.run_world(1, _parse_errors, [argv for argv, _ in cases.values()])[0]
+    for (name, (_, match)), message in zip(cases.items(), messages):
+        assert match in message, (name, message)

@@ -97,6 +97,7 @@ def parse_args(argv: list[str] | None = None, extra_args_provider=None) -> tuple
                              "architecture comes from --hf-config / --load-hf")
         setattr(args, key, value)
     apply_precision(args)
+    check_data_paths(args)
     if args.save_hf and not args.save:
         raise ValueError("--save-hf exports the final checkpoint: it needs --save DIR")
     if args.save_hf and os.path.exists(args.save_hf):
@@ -113,6 +114,27 @@ def parse_args(argv: list[str] | None = None, extra_args_provider=None) -> tuple
     # resuming a run (a checkpoint in --load) wins over --load-hf
     args.resuming = bool(args.load) and os.path.isfile(os.path.join(args.load, "latest_checkpointed_iteration.txt"))
     return args, hf_config
+
+
+def check_data_paths(args: argparse.Namespace) -> None:
+    """Every dataset prefix in --data-path / --{train,valid,test}-data-path has its .bin and .idx."""
+    if getattr(args, "mock_data", False):
+        return
+    paths = [p for key in ("data_path", "train_data_path", "valid_data_path", "test_data_path")
+             for p in (getattr(args, key, None) or [])]
+    if not paths and not getattr(args, "data_args_path", None) and not getattr(args, "per_split_data_args_path", None):
+        raise ValueError("no training data: pass --data-path PREFIX (an indexed dataset from "
+                         "toolkits.preprocess_data), or --mock-data")
+    for p in paths:
+        try:
+            float(p)  # a blend weight
+            continue
+        except ValueError:
+            pass
+        missing = [ext for ext in (".bin", ".idx") if not os.path.isfile(p + ext)]
+        if missing:
+            raise ValueError(f"dataset prefix {p}: no {' or '.join(p + e for e in missing)} "
+                             "(make it with python -m toolkits.preprocess_data)")
 
 
 def apply_precision(args: argparse.Namespace) -> None:
