@@ -1,0 +1,52 @@
+"""examples/<family>/pretrain.sh: one per registered family; --dry-run prints the full torchrun command
+(named options, defaults, environment-sized torchrun, Megatron arguments passed through)."""
+
+import os
+import shlex
+import subprocess
+
+import pytest
+
+from megatron_patch.models import families
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _dry_run(family: str, *args: str, **env: str) -> tuple[int, list[str], str]:
+    script = os.path.join(ROOT, "examples", family, "pretrain.sh")
+    environ = {k: v for k, v in os.environ.items() if k not in ("NPROC_PER_NODE", "NNODES", "MODEL", "DATA")}
+    p = subprocess.run(["bash", script, "--dry-run", *args], capture_output=True, text=True,
+                       env={**environ, "PATH": "/usr/bin:/bin", **env})
+    return p.returncode, shlex.split(p.stdout), p.stderr
+
+
+@pytest.mark.parametrize("family", sorted(families()))
+def test_every_family_has_a_launcher(family):
+    code, cmd, err = _dry_run(family, "--data", "corpus_text_document")
+    assert code == 0, err
+    assert cmd[:3] == ["CUDA_DEVICE_MAX_CONNECTIONS=1", "torchrun", "--nproc_per_node"]
+    assert cmd[cmd.index("-m") + 1] == "megatron_patch.pretrain"
+    assert cmd[cmd.index("--hf-config") + 1] == cmd[cmd.index("--tokenizer-model") + 1]
+
+
+def test_named_options_environment_and_passthrough():
+    code, cmd, _ = _dry_run("qwen2", "--model", "/m/Qwen2.5-0.5B", "--data", "/d/x_text_document", "--tp", "2",
+                            "--pp", "4", "--precision", "fp8", "--mbs", "2", "--gbs", "64", "--lr", "1e-3",
+                            "--iters", "500", "--out", "/ckpt", "--from-hf", "--", "--recompute-activations",
+                            "--seed", "7", NPROC_PER_NODE="8", NNODES="4", NODE_RANK="3", MASTER_ADDR="node0")
+    assert code == 0
+
+    def opt(name):
+        return cmd[cmd.index(name) + 1]
+
+    assert (opt("--nproc_per_node"), opt("--nnodes"), opt("--node_rank"), opt("--master_addr")) == ("8", "4", "3", "node0")
+    assert opt("--load-hf") == "/m/Qwen2.5-0.5B" and "--hf-config" not in cmd
+    assert (opt("--tensor-model-parallel-size"), opt("--pipeline-model-parallel-size")) == ("2", "4")
+    assert (opt("--precision"), opt("--micro-batch-size"), opt("--global-batch-size")) == ("fp8", "2", "64")
+    assert (opt("--lr"), opt("--min-lr"), opt("--train-iters"), opt("--save")) == ("1e-3", "0.0001", "500", "/ckpt")
+    assert cmd[-3:] == ["--recompute-activations", "--seed", "7"]  # passed through last: they win
+
+
+def test_missing_required_options():
+    code, _, err = _dry_run("llama", "--model", "m")
+    assert code == 1 and "--data PREFIX is required" in err
