@@ -1,0 +1,128 @@
+"""GPU proof of the training path (docs/gpu_results.md): a ~125M LLaMA-family model pretrains on the
+bundled corpus with `python -m megatron_patch.pretrain` (Transformer Engine), and prints a JSON report:
+
+- bf16 and fp8 (hybrid, delayed) runs of ITERS iterations: the loss falls;
+- save at ITERS/2 and resume: the losses after the resume equal the uninterrupted run's;
+- TP=2 and PP=2 (when 2 GPUs are visible), started from the same HF weights as a TP=1 run: same losses
+  within bf16 tolerance.
+
+Run: python tests/gpu/train_proof.py OUT_DIR [--iters 100]   (tests/gpu/test_train_proof.py does)"""
+
+import argparse
+import gzip
+import json
+import os
+import re
+import subprocess
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)")
+MODEL = {  # LLaMA shape, ~125M parameters with a 1000-token vocabulary
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 1000, "hidden_size": 768,
+    "intermediate_size": 2560, "num_hidden_layers": 16, "num_attention_heads": 12, "num_key_value_heads": 4,
+    "head_dim": 64, "hidden_act": "silu", "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0, "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 0,
+}
+
+
+def prepare(out: str) -> tuple[str, str]:
+    from megatron_patch.tokenizer import CORPUS, TINY_TOKENIZER
+    from toolkits.preprocess_data import preprocess
+
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(MODEL, f)
+    prefix = os.path.join(out, "corpus")
+    if not os.path.isfile(prefix + "_text_document.idx"):
+        with gzip.open(CORPUS, "rt") as f, open(os.path.join(out, "corpus.jsonl"), "w") as o:
+            o.write(f.read())
+        preprocess([os.path.join(out, "corpus.jsonl")], prefix, TINY_TOKENIZER, workers=8, append_eod=True)
+    return os.path.join(out, "config.json"), prefix + "_text_document"
+
+
+def train(out: str, name: str, nproc: int, data: str, model: list[str], iters: int, *extra: str) -> dict:
+    from megatron_patch.tokenizer import TINY_TOKENIZER
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+           str(29500 + hash(name) % 1000), "-m", "megatron_patch.pretrain", *model, "--data-path", data,
+           "--split", "100,0,0", "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", TINY_TOKENIZER,
+           "--seq-length", "512", "--micro-batch-size", "8", "--global-batch-size", "32", "--train-iters", str(iters),
+           "--lr", "6e-4", "--min-lr", "6e-5", "--lr-decay-style", "cosine", "--lr-warmup-iters", "10",
+           "--weight-decay", "0.1", "--clip-grad", "1.0", "--log-interval", "1", "--eval-iters", "0",
+           "--eval-interval", "100000", "--seed", "1234", "--no-gradient-accumulation-fusion",
+           "--make-vocab-size-divisible-by", "4", "--data-cache-path", os.path.join(out, "cache"),
+           "--transformer-impl", "transformer_engine", "--precision", "bf16", *extra]
+    env = {**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1", "PYTHONPATH": ROOT + ":" + os.environ.get("PYTHONPATH", "")}
+    with open(os.path.join(out, f"{name}.log"), "w") as log:
+        p = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    text = open(os.path.join(out, f"{name}.log")).read()
+    losses = {int(i): float(v) for i, v in LOSS.findall(text)}
+    times = [float(t) for t in re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+)", text)]
+    return {"rc": p.returncode, "losses": losses, "ms_per_iter": sorted(times)[len(times) // 2] if times else None,
+            "tail": text[-3000:] if p.returncode else ""}
+
+
+def compare(a: dict, b: dict, iters) -> float | None:
+    common = [i for i in iters if i in a and i in b]
+    return max(abs(a[i] - b[i]) for i in common) if common else None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--iters", type=int, default=100)
+    a = ap.parse_args()
+    out, n, half = a.out, a.iters, a.iters // 2
+    config, data = prepare(out)
+    from tests.models import hf_model, save_hf
+
+    hf_dir = os.path.join(out, "hf_start")
+    if not os.path.isdir(hf_dir):
+        save_hf(hf_model(MODEL), hf_dir)
+        from megatron_patch.tokenizer import TINY_TOKENIZER
+        from megatron_patch.conversion.hf_io import copy_side_files
+
+        copy_side_files(TINY_TOKENIZER, hf_dir, ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"])
+    runs = {}
+    scratch = ["--hf-config", config]
+    runs["bf16"] = train(out, "bf16", 1, data, scratch, n, "--save", os.path.join(out, "ck_bf16"), "--save-interval",
+                         str(half))
+    runs["bf16_resume"] = train(out, "bf16_resume", 1, data, scratch, n, "--save", os.path.join(out, "ck_bf16"),
+                                "--load", os.path.join(out, "ck_bf16"), "--save-interval", str(10 * n))
+    runs["fp8"] = train(out, "fp8", 1, data, scratch, n, "--precision", "fp8", "--fp8-recipe", "delayed")
+    from_hf = ["--load-hf", hf_dir]
+    short = max(20, n // 5)
+    runs["hf_tp1"] = train(out, "hf_tp1", 1, data, from_hf, short)
+    if torch.cuda.device_count() >= 2:
+        runs["hf_tp2"] = train(out, "hf_tp2", 2, data, from_hf, short, "--tensor-model-parallel-size", "2")
+        runs["hf_pp2"] = train(out, "hf_pp2", 2, data, from_hf, short, "--pipeline-model-parallel-size", "2")
+    bf16, fp8 = runs["bf16"]["losses"], runs["fp8"]["losses"]
+    report = {
+        "device": torch.cuda.get_device_name(), "gpus": torch.cuda.device_count(), "iters": n,
+        "runs": {k: {"rc": v["rc"], "ms_per_iter": v["ms_per_iter"], "first": v["losses"].get(1),
+                     "last": v["losses"].get(max(v["losses"], default=0)), "tail": v["tail"]} for k, v in runs.items()},
+        "bf16_loss_1_10_last10": [sum(bf16.get(i, 0) for i in range(1, 11)) / 10,
+                                  sum(bf16.get(i, 0) for i in range(n - 9, n + 1)) / 10],
+        "fp8_loss_1_10_last10": [sum(fp8.get(i, 0) for i in range(1, 11)) / 10,
+                                 sum(fp8.get(i, 0) for i in range(n - 9, n + 1)) / 10],
+        "fp8_vs_bf16_max_diff_last10": compare(bf16, fp8, range(n - 9, n + 1)),
+        "resume_max_diff": compare(bf16, runs["bf16_resume"]["losses"], range(half + 1, n + 1)),
+        "resume_iters": sorted(runs["bf16_resume"]["losses"])[:1] + sorted(runs["bf16_resume"]["losses"])[-1:],
+        "tp2_vs_tp1_max_diff": compare(runs["hf_tp1"]["losses"], runs.get("hf_tp2", {}).get("losses", {}),
+                                       range(1, short + 1)),
+        "pp2_vs_tp1_max_diff": compare(runs["hf_tp1"]["losses"], runs.get("hf_pp2", {}).get("losses", {}),
+                                       range(1, short + 1)),
+        "losses": {k: v["losses"] for k, v in runs.items()},
+    }
+    with open(os.path.join(out, "train_proof.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    print(json.dumps({k: v for k, v in report.items() if k != "losses"}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
