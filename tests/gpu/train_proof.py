@@ -76,6 +76,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--iters", type=int, default=100)
+    ap.add_argument("--only", default="bf16,fp8,layouts", help="comma-separated parts to run")
     a = ap.parse_args()
     out, n, half = a.out, a.iters, a.iters // 2
     config, data = prepare(out)
@@ -92,16 +93,22 @@ def main() -> None:
     scratch = ["--hf-config", config]
     runs["bf16"] = train(out, "bf16", 1, data, scratch, n, "--save", os.path.join(out, "ck_bf16"), "--save-interval",
                          str(half))
-    runs["bf16_resume"] = train(out, "bf16_resume", 1, data, scratch, n, "--save", os.path.join(out, "ck_bf16"),
-                                "--load", os.path.join(out, "ck_bf16"), "--save-interval", str(10 * n))
-    runs["fp8"] = train(out, "fp8", 1, data, scratch, n, "--precision", "fp8", "--fp8-recipe", "delayed")
+    # resume the saved iteration ITERS/2 of that run into another folder, to ITERS
+    runs["bf16_resume"] = train(out, "bf16_resume", 1, data, scratch, n, "--load", os.path.join(out, "ck_bf16"),
+                                "--ckpt-step", str(half), "--save", os.path.join(out, "ck_resume"),
+                                "--save-interval", str(10 * n))
     from_hf = ["--load-hf", hf_dir]
     short = max(20, n // 5)
-    runs["hf_tp1"] = train(out, "hf_tp1", 1, data, from_hf, short)
-    if torch.cuda.device_count() >= 2:
+    if "fp8" in a.only:
+        runs["fp8"] = train(out, "fp8", 1, data, scratch, n, "--precision", "fp8", "--fp8-recipe", "delayed")
+    if "layouts" in a.only:
+        runs["hf_tp1"] = train(out, "hf_tp1", 1, data, from_hf, short)
+    if "layouts" in a.only and torch.cuda.device_count() >= 2:
         runs["hf_tp2"] = train(out, "hf_tp2", 2, data, from_hf, short, "--tensor-model-parallel-size", "2")
         runs["hf_pp2"] = train(out, "hf_pp2", 2, data, from_hf, short, "--pipeline-model-parallel-size", "2")
-    bf16, fp8 = runs["bf16"]["losses"], runs["fp8"]["losses"]
+    empty = {"losses": {}}
+    bf16, fp8 = runs["bf16"]["losses"], runs.get("fp8", empty)["losses"]
+    tp1 = runs.get("hf_tp1", empty)["losses"]
     report = {
         "device": torch.cuda.get_device_name(), "gpus": torch.cuda.device_count(), "iters": n,
         "runs": {k: {"rc": v["rc"], "ms_per_iter": v["ms_per_iter"], "first": v["losses"].get(1),
@@ -113,10 +120,8 @@ def main() -> None:
         "fp8_vs_bf16_max_diff_last10": compare(bf16, fp8, range(n - 9, n + 1)),
         "resume_max_diff": compare(bf16, runs["bf16_resume"]["losses"], range(half + 1, n + 1)),
         "resume_iters": sorted(runs["bf16_resume"]["losses"])[:1] + sorted(runs["bf16_resume"]["losses"])[-1:],
-        "tp2_vs_tp1_max_diff": compare(runs["hf_tp1"]["losses"], runs.get("hf_tp2", {}).get("losses", {}),
-                                       range(1, short + 1)),
-        "pp2_vs_tp1_max_diff": compare(runs["hf_tp1"]["losses"], runs.get("hf_pp2", {}).get("losses", {}),
-                                       range(1, short + 1)),
+        "tp2_vs_tp1_max_diff": compare(tp1, runs.get("hf_tp2", empty)["losses"], range(1, short + 1)),
+        "pp2_vs_tp1_max_diff": compare(tp1, runs.get("hf_pp2", empty)["losses"], range(1, short + 1)),
         "losses": {k: v["losses"] for k, v in runs.items()},
     }
     with open(os.path.join(out, "train_proof.json"), "w") as f:
