@@ -8,6 +8,7 @@
 #       [--out DIR] [--from-hf] [--dry-run] [-- any Megatron-LM argument ...]
 #
 # --model: an HF folder (config.json, tokenizer; with --from-hf also the weights to start from).
+# --data: pretrain: an indexed-dataset prefix (toolkits.preprocess_data); sft: JSONL conversations.
 # Environment: NPROC_PER_NODE (default: GPUs visible, else 1), NNODES (1), NODE_RANK (0),
 # MASTER_ADDR (localhost), MASTER_PORT (6000); PYTHON (python).
 set -euo pipefail
@@ -40,7 +41,13 @@ while [[ $# -gt 0 ]]; do
 done
 
 [[ -n "$MODEL" ]] || { echo "error: --model HF_DIR is required (config.json of the model to train)" >&2; exit 1; }
-[[ -n "$DATA" ]] || { echo "error: --data PREFIX is required (python -m toolkits.preprocess_data makes it)" >&2; exit 1; }
+if [[ "$ENTRY" == sft ]]; then
+  [[ -n "$DATA" ]] || { echo "error: --data FILE.jsonl is required (chat or instruction JSONL)" >&2; exit 1; }
+  DATA_ARGS=(--sft-data "$DATA")
+else
+  [[ -n "$DATA" ]] || { echo "error: --data PREFIX is required (python -m toolkits.preprocess_data makes it)" >&2; exit 1; }
+  DATA_ARGS=(--data-path "$DATA" --split 99,1,0)
+fi
 TOKENIZER=${TOKENIZER:-$MODEL}
 
 if [[ -z "${NPROC_PER_NODE:-}" ]]; then
@@ -52,12 +59,12 @@ if [[ "$FROM_HF" == 1 ]]; then MODEL_ARGS=(--load-hf "$MODEL"); else MODEL_ARGS=
 CMD=(torchrun --nproc_per_node "$NPROC_PER_NODE" --nnodes "${NNODES:-1}" --node_rank "${NODE_RANK:-0}"
      --master_addr "${MASTER_ADDR:-localhost}" --master_port "${MASTER_PORT:-6000}"
      -m "megatron_patch.$ENTRY" "${MODEL_ARGS[@]}"
-     --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER" --data-path "$DATA"
+     --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER" "${DATA_ARGS[@]}"
      --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" --precision "$PRECISION"
      --seq-length "$SEQ" --micro-batch-size "$MBS" --global-batch-size "$GBS"
      --lr "$LR" --min-lr "$(awk "BEGIN { printf \"%g\", $LR / 10 }")" --lr-decay-style cosine --lr-warmup-fraction 0.01
      --train-iters "$ITERS" --save "$OUT" --load "$OUT" --save-interval 1000 --log-interval 10
-     --eval-interval 1000 --eval-iters 10 --split 99,1,0 --use-distributed-optimizer "$@")
+     --eval-interval 1000 --eval-iters 10 --use-distributed-optimizer "$@")
 
 if [[ "$DRY_RUN" == 1 ]]; then
   printf '%q ' CUDA_DEVICE_MAX_CONNECTIONS=1 "${CMD[@]}"; echo

@@ -12,20 +12,22 @@ from megatron_patch.models import families
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _dry_run(family: str, *args: str, **env: str) -> tuple[int, list[str], str]:
-    script = os.path.join(ROOT, "examples", family, "pretrain.sh")
+def _dry_run(family: str, *args: str, entry: str = "pretrain", **env: str) -> tuple[int, list[str], str]:
+    script = os.path.join(ROOT, "examples", family, f"{entry}.sh")
     environ = {k: v for k, v in os.environ.items() if k not in ("NPROC_PER_NODE", "NNODES", "MODEL", "DATA")}
     p = subprocess.run(["bash", script, "--dry-run", *args], capture_output=True, text=True,
                        env={**environ, "PATH": "/usr/bin:/bin", **env})
     return p.returncode, shlex.split(p.stdout), p.stderr
 
 
+@pytest.mark.parametrize("entry,data_flag", [("pretrain", "--data-path"), ("sft", "--sft-data")])
 @pytest.mark.parametrize("family", sorted(families()))
-def test_every_family_has_a_launcher(family):
-    code, cmd, err = _dry_run(family, "--data", "corpus_text_document")
+def test_every_family_has_launchers(family, entry, data_flag):
+    code, cmd, err = _dry_run(family, "--data", "corpus", entry=entry)
     assert code == 0, err
     assert cmd[:3] == ["CUDA_DEVICE_MAX_CONNECTIONS=1", "torchrun", "--nproc_per_node"]
-    assert cmd[cmd.index("-m") + 1] == "megatron_patch.pretrain"
+    assert cmd[cmd.index("-m") + 1] == f"megatron_patch.{entry}"
+    assert cmd[cmd.index(data_flag) + 1] == "corpus"
     assert cmd[cmd.index("--hf-config") + 1] == cmd[cmd.index("--tokenizer-model") + 1]
 
 

@@ -71,7 +71,8 @@ def architecture_args(hf_config: Any) -> dict:
     return out
 
 
-def parse_args(argv: list[str] | None = None, extra_args_provider=None) -> tuple[argparse.Namespace, dict]:
+def parse_args(argv: list[str] | None = None, extra_args_provider=None,
+               indexed_data: bool = True) -> tuple[argparse.Namespace, dict]:
     """Megatron's argument parsing with our additions and the HF architecture applied; sets megatron's
     global args (and tokenizer) like `parse_and_validate_args`. Returns (args, hf_config)."""
     from megatron.training.arguments import parse_args as megatron_parse_args
@@ -97,7 +98,8 @@ def parse_args(argv: list[str] | None = None, extra_args_provider=None) -> tuple
                              "architecture comes from --hf-config / --load-hf")
         setattr(args, key, value)
     apply_precision(args)
-    check_data_paths(args)
+    if indexed_data:
+        check_data_paths(args)
     if args.save_hf and not args.save:
         raise ValueError("--save-hf exports the final checkpoint: it needs --save DIR")
     if args.save_hf and os.path.exists(args.save_hf):

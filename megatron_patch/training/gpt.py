@@ -30,8 +30,30 @@ def get_batch(data_iterator) -> dict:
     return {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
 
 
+def packed_for_te(batch: dict) -> dict:
+    """Packed SFT samples for Transformer Engine: the micro-batch becomes one THD sequence whose
+    documents are delimited by `PackedSeqParams` (cu_seqlens), instead of a [b, 1, s, s] mask."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = batch.pop("cu_seqlens")
+    b, s = batch["tokens"].shape
+    bounds = torch.cat([row[row >= 0] + i * s for i, row in enumerate(cu)]).unique().to(torch.int32)
+    longest = int((bounds[1:] - bounds[:-1]).max())
+    out = {k: v.reshape(1, -1) for k, v in batch.items() if k in ("tokens", "labels", "loss_mask", "position_ids")}
+    out["packed_seq_params"] = PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds,
+                                               max_seqlen_q=longest, max_seqlen_kv=longest)
+    return out
+
+
 def forward_step(data_iterator, model):
+    from megatron.training import get_args
+
     batch = get_batch(data_iterator)
+    if "cu_seqlens" in batch:
+        if get_args().transformer_impl == "transformer_engine":
+            batch = packed_for_te(batch)
+        else:
+            batch.pop("cu_seqlens")  # the local implementation takes the block-diagonal mask
     output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"],
                    packed_seq_params=batch.get("packed_seq_params"))
     return output, partial(loss_func, batch["loss_mask"])

@@ -1,0 +1,64 @@
+"""python -m megatron_patch.sft: supervised fine-tuning of any registered family on megatron.training.
+
+    torchrun --nproc_per_node 8 -m megatron_patch.sft --load-hf Qwen2.5-7B-Instruct --sft-data chats.jsonl \\
+        --seq-length 4096 --micro-batch-size 1 --global-batch-size 64 --train-iters 1000 --lr 1e-5 --bf16 ...
+
+Data: JSONL in chat form ({"messages": [...]}) or instruction form ({"instruction", "input", "output"}),
+rendered with the tokenizer's chat template (--tokenizer-model, an HF folder; default the --load-hf one),
+loss on assistant tokens only, conversations packed into --seq-length samples with per-document attention
+(`megatron_patch.training.sft_data`). The loss is per token over the global batch
+(`--calculate-per-token-loss` is always on): every assistant token weighs the same, whatever the
+packing and the micro-batch it lands in.
+"""
+
+from __future__ import annotations
+
+
+def add_sft_args(parser):
+    g = parser.add_argument_group("megatron_patch sft")
+    g.add_argument("--sft-data", nargs="+", help="JSONL conversations (chat or instruction form), .jsonl[.gz]")
+    return parser
+
+
+def datasets_provider(train_val_test_num_samples):
+    from megatron.training import get_args
+
+    from megatron_patch.tokenizer import build_tokenizer
+    from megatron_patch.training.sft_data import PackedSFTDataset, read_conversations
+
+    args = get_args()
+    tokenizer = build_tokenizer(args.tokenizer_model)
+    train = PackedSFTDataset(read_conversations(args.sft_data), tokenizer, args.seq_length, args.seed,
+                             num_samples=train_val_test_num_samples[0])
+    return train, None, None
+
+
+datasets_provider.is_distributed = True
+
+
+def main(argv: list[str] | None = None) -> None:
+    from megatron.core.enums import ModelType
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+    from megatron.training.training import pretrain
+
+    from megatron_patch import patches
+    from megatron_patch.training.arguments import parse_args
+    from megatron_patch.training.checkpoint import describe_checkpoint, export_hf
+    from megatron_patch.training.gpt import forward_step
+    from megatron_patch.training.model import make_model_provider
+
+    patches.apply("prebuilt_dataset_helpers")
+    args, hf_config = parse_args(argv, add_sft_args, indexed_data=False)
+    if not args.sft_data:
+        raise ValueError("no SFT data: pass --sft-data FILE.jsonl")
+    args.calculate_per_token_loss = True
+    cfg = pretrain_cfg_container_from_args(args, None)
+    cfg.model = None
+    describe_checkpoint(args)
+    pretrain(cfg, datasets_provider, ModelType.encoder_or_decoder, forward_step,
+             model_provider=make_model_provider(hf_config))
+    export_hf(args)
+
+
+if __name__ == "__main__":
+    main()
