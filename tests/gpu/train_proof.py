@@ -4,7 +4,8 @@ bundled corpus with `python -m megatron_patch.pretrain` (Transformer Engine), an
 - bf16 and fp8 (hybrid, delayed) runs of ITERS iterations: the loss falls;
 - save at ITERS/2 and resume: the losses after the resume equal the uninterrupted run's;
 - TP=2 and PP=2 (when 2 GPUs are visible), started from the same HF weights as a TP=1 run: same losses
-  within bf16 tolerance.
+  within bf16 tolerance;
+- SFT with packing (`python -m megatron_patch.sft`, TE's THD attention) on synthetic chats: runs, loss falls.
 
 Run: python tests/gpu/train_proof.py OUT_DIR [--iters 100]   (tests/gpu/test_train_proof.py does)"""
 
@@ -45,12 +46,14 @@ def prepare(out: str) -> tuple[str, str]:
     return os.path.join(out, "config.json"), prefix + "_text_document"
 
 
-def train(out: str, name: str, nproc: int, data: str, model: list[str], iters: int, *extra: str) -> dict:
+def train(out: str, name: str, nproc: int, data: str, model: list[str], iters: int, *extra: str,
+          entry: str = "pretrain") -> dict:
     from megatron_patch.tokenizer import TINY_TOKENIZER
 
+    data_args = ["--sft-data", data] if entry == "sft" else ["--data-path", data, "--split", "100,0,0"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-           str(29500 + hash(name) % 1000), "-m", "megatron_patch.pretrain", *model, "--data-path", data,
-           "--split", "100,0,0", "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", TINY_TOKENIZER,
+           str(29500 + hash(name) % 1000), "-m", f"megatron_patch.{entry}", *model, *data_args,
+           "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", TINY_TOKENIZER,
            "--seq-length", "512", "--micro-batch-size", "8", "--global-batch-size", "32", "--train-iters", str(iters),
            "--lr", "6e-4", "--min-lr", "6e-5", "--lr-decay-style", "cosine", "--lr-warmup-iters", "10",
            "--weight-decay", "0.1", "--clip-grad", "1.0", "--log-interval", "1", "--eval-iters", "0",
@@ -76,7 +79,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--iters", type=int, default=100)
-    ap.add_argument("--only", default="bf16,fp8,layouts", help="comma-separated parts to run")
+    ap.add_argument("--only", default="bf16,fp8,layouts,sft", help="comma-separated parts to run")
     a = ap.parse_args()
     out, n, half = a.out, a.iters, a.iters // 2
     config, data = prepare(out)
@@ -106,6 +109,14 @@ def main() -> None:
     if "layouts" in a.only and torch.cuda.device_count() >= 2:
         runs["hf_tp2"] = train(out, "hf_tp2", 2, data, from_hf, short, "--tensor-model-parallel-size", "2")
         runs["hf_pp2"] = train(out, "hf_pp2", 2, data, from_hf, short, "--pipeline-model-parallel-size", "2")
+    if "sft" in a.only:
+        # packed chat data through TE's THD attention (PackedSeqParams), from the HF start
+        from tests.test_sft import conversations
+
+        chats = os.path.join(out, "chats.jsonl")
+        with open(chats, "w") as f:
+            f.writelines(json.dumps(c) + "\n" for c in conversations(2000))
+        runs["sft"] = train(out, "sft", 1, chats, from_hf, 30, "--lr", "1e-3", entry="sft")
     empty = {"losses": {}}
     bf16, fp8 = runs["bf16"]["losses"], runs.get("fp8", empty)["losses"]
     tp1 = runs.get("hf_tp1", empty)["losses"]
@@ -122,6 +133,8 @@ def main() -> None:
         "resume_iters": sorted(runs["bf16_resume"]["losses"])[:1] + sorted(runs["bf16_resume"]["losses"])[-1:],
         "tp2_vs_tp1_max_diff": compare(tp1, runs.get("hf_tp2", empty)["losses"], range(1, short + 1)),
         "pp2_vs_tp1_max_diff": compare(tp1, runs.get("hf_pp2", empty)["losses"], range(1, short + 1)),
+        "sft_loss_1_3_last3": [sum(runs.get("sft", empty)["losses"].get(i, 0) for i in (1, 2, 3)) / 3,
+                               sum(runs.get("sft", empty)["losses"].get(i, 0) for i in (28, 29, 30)) / 3],
         "losses": {k: v["losses"] for k, v in runs.items()},
     }
     with open(os.path.join(out, "train_proof.json"), "w") as f:
