@@ -12,24 +12,10 @@ from __future__ import annotations
 
 
 def main(argv: list[str] | None = None) -> None:
-    from megatron.core.enums import ModelType
-    from megatron.training.argument_utils import pretrain_cfg_container_from_args
-    from megatron.training.training import pretrain
+    from megatron_patch.training.gpt import datasets_provider
+    from megatron_patch.training.run import run
 
-    from megatron_patch import patches
-    from megatron_patch.training.arguments import parse_args
-    from megatron_patch.training.checkpoint import describe_checkpoint, export_hf
-    from megatron_patch.training.gpt import datasets_provider, forward_step
-    from megatron_patch.training.model import make_model_provider
-
-    patches.apply("prebuilt_dataset_helpers")
-    args, hf_config = parse_args(argv)
-    cfg = pretrain_cfg_container_from_args(args, None)
-    cfg.model = None
-    describe_checkpoint(args)
-    pretrain(cfg, datasets_provider, ModelType.encoder_or_decoder, forward_step,
-             model_provider=make_model_provider(hf_config))
-    export_hf(args)
+    run(argv, datasets_provider)
 
 
 if __name__ == "__main__":

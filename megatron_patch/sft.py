@@ -36,28 +36,16 @@ def datasets_provider(train_val_test_num_samples):
 datasets_provider.is_distributed = True
 
 
-def main(argv: list[str] | None = None) -> None:
-    from megatron.core.enums import ModelType
-    from megatron.training.argument_utils import pretrain_cfg_container_from_args
-    from megatron.training.training import pretrain
-
-    from megatron_patch import patches
-    from megatron_patch.training.arguments import parse_args
-    from megatron_patch.training.checkpoint import describe_checkpoint, export_hf
-    from megatron_patch.training.gpt import forward_step
-    from megatron_patch.training.model import make_model_provider
-
-    patches.apply("prebuilt_dataset_helpers")
-    args, hf_config = parse_args(argv, add_sft_args, indexed_data=False)
+def _sft_settings(args) -> None:
     if not args.sft_data:
         raise ValueError("no SFT data: pass --sft-data FILE.jsonl")
     args.calculate_per_token_loss = True
-    cfg = pretrain_cfg_container_from_args(args, None)
-    cfg.model = None
-    describe_checkpoint(args)
-    pretrain(cfg, datasets_provider, ModelType.encoder_or_decoder, forward_step,
-             model_provider=make_model_provider(hf_config))
-    export_hf(args)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from megatron_patch.training.run import run
+
+    run(argv, datasets_provider, add_sft_args, indexed_data=False, adjust=_sft_settings)
 
 
 if __name__ == "__main__":
