@@ -176,3 +176,16 @@ def test_bad_input_is_refused_before_training(data, tmp_path):
     messages = _cpu.run_world(1, _parse_errors, [argv for argv, _ in cases.values()])[0]
     for (name, (_, match)), message in zip(cases.items(), messages):
         assert match in message, (name, message)
+
+
+def test_blend_weights_and_prefixes_are_checked(data, tmp_path):
+    """--data-path "w1 prefix1 w2 prefix2": weights pass, every prefix needs its .bin and .idx."""
+    from argparse import Namespace
+
+    from megatron_patch.training.arguments import check_data_paths
+
+    base = dict(mock_data=False, train_data_path=None, valid_data_path=None, test_data_path=None,
+                data_args_path=None, per_split_data_args_path=None)
+    check_data_paths(Namespace(**base, data_path=["0.7", data, "0.3", data]))
+    with pytest.raises(ValueError, match="missing_text_document.bin"):
+        check_data_paths(Namespace(**base, data_path=["0.7", data, "0.3", str(tmp_path / "missing_text_document")]))
