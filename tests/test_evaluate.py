@@ -1,0 +1,87 @@
+"""python -m megatron_patch.evaluate: perplexity equals exp(mean token loss) computed independently
+with transformers; the multiple-choice scorer picks the answer known by construction; bad input."""
+
+import gzip
+import json
+import math
+
+import pytest
+import torch
+
+from megatron_patch.tokenizer import CORPUS, TINY_TOKENIZER, build_tokenizer
+from tests.models import hf_model, llama_config, save_hf
+from toolkits.checkpoint_converter.__main__ import main as convert
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, cpu_megatron):
+    root = tmp_path_factory.mktemp("eval")
+    hf = hf_model(llama_config("gqa"))
+    hf_dir = save_hf(hf, str(root / "hf"))
+    tok = build_tokenizer(TINY_TOKENIZER)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (root / "hf" / name).write_bytes((open(f"{TINY_TOKENIZER}/{name}", "rb")).read())
+    mc = str(root / "mc")
+    assert convert(["hf-to-mcore", "--hf-dir", hf_dir, "--out", mc, "--tp", "2", "--pp", "2"]) == 0
+    with gzip.open(CORPUS, "rt") as f:
+        texts = [json.loads(next(f))["text"][:600] for _ in range(4)]
+    (root / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return root, hf, tok, texts, mc
+
+
+def _hf_logprobs(hf, ids):
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids])).logits[0].float()
+    return torch.log_softmax(logits[:-1], -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+
+def test_perplexity_is_exp_mean_token_loss(setup, capsys):
+    from megatron_patch.evaluate import main
+
+    root, hf, tok, texts, mc = setup
+    assert main(["--mcore-dir", mc, "--text", str(root / "docs.jsonl"), "--seq-length", "64",
+                 "--report", str(root / "r.json")]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["perplexity"]
+    nll, n = 0.0, 0
+    for t in texts:  # independently: transformers on the same 65-token windows
+        ids = tok.tokenize(t)
+        for s in range(0, len(ids) - 1, 64):
+            w = ids[s: s + 65]
+            if len(w) > 1:
+                lp = _hf_logprobs(hf, w)
+                nll, n = nll - lp.sum().item(), n + lp.numel()
+    assert got["tokens"] == n
+    assert abs(got["loss"] - nll / n) <= 1e-5 and abs(got["perplexity"] - math.exp(nll / n)) <= 1e-4 * got["perplexity"]
+    assert json.load(open(root / "r.json"))["perplexity"] == got
+
+
+def test_multiple_choice_picks_the_known_answer(setup, capsys):
+    """Each question's answer is, by construction, the choice transformers gives the highest
+    log-likelihood (distractors are the other choices); the scorer must find it every time."""
+    from megatron_patch.evaluate import main
+
+    root, hf, tok, texts, mc = setup
+    rows = []
+    for i, t in enumerate(texts):
+        words = t.split()
+        question, choices = " ".join(words[:12]), [" ".join(words[12 + 3 * k: 15 + 3 * k]) for k in range(4)]
+        ctx = tok.tokenize(question)
+        scores = [_hf_logprobs(hf, ctx + tok.tokenize(" " + c))[len(ctx) - 1:].sum().item() for c in choices]
+        rows.append({"question": question, "choices": choices, "answer": max(range(4), key=scores.__getitem__)})
+    (root / "mc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["--hf-dir", str(root / "hf"), "--choices", str(root / "mc.jsonl")]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["multiple_choice"]
+    assert got["acc"] == 1.0 and got["questions"] == 4
+
+
+def test_bad_input(setup, tmp_path, capsys):
+    from megatron_patch.evaluate import main
+
+    root, *_ , mc = setup
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "q", "choices": ["a"]}\n')
+    for argv, match in [(["--mcore-dir", str(tmp_path / "none"), "--text", str(root / "docs.jsonl")], "does not exist"),
+                        (["--mcore-dir", mc, "--choices", str(bad)], "needs question, choices and answer"),
+                        (["--mcore-dir", mc], "nothing to evaluate")]:
+        assert main(argv) == 1
+        assert match in capsys.readouterr().err
