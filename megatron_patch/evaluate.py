@@ -23,28 +23,6 @@ import sys
 import torch
 
 
-def load_model(mcore_dir: str | None, hf_dir: str | None, tp: int = 1, pp: int = 1):
-    """(this rank's GPTModel, hf_config): a Megatron checkpoint as stored, or an HF folder converted
-    in memory for this rank."""
-    if mcore_dir:
-        from megatron_patch.conversion.mcore_io import load_megatron_model
-
-        return load_megatron_model(mcore_dir, tp, pp)
-    from megatron.core import parallel_state as ps
-
-    from megatron_patch.conversion.engine import hf_to_megatron, load_rank_state_dict, make_plan
-    from megatron_patch.conversion.hf_io import HFCheckpoint
-    from megatron_patch.models import Layout, build_model, load_hf_config
-
-    cfg = load_hf_config(hf_dir)
-    model = build_model(cfg, tp, pp, perform_initialization=False)
-    rank = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank())
-    ckpt = HFCheckpoint(hf_dir)
-    state = hf_to_megatron(make_plan(cfg, Layout(tp, pp)), ckpt.get, ckpt.keys(), stages=[rank[1]], tp_ranks=[rank[0]])
-    load_rank_state_dict(model, state[rank])
-    return model.eval(), cfg
-
-
 class Scorer:
     """Log-probabilities of token sequences under a Megatron model (any TP x PP)."""
 
@@ -115,6 +93,8 @@ def evaluate(args: argparse.Namespace) -> dict:
     for path in (args.mcore_dir, args.hf_dir, args.text, args.choices):
         if path and not os.path.exists(path):
             raise ValueError(f"{path} does not exist")
+    from megatron_patch.inference import load_model
+
     model, cfg = load_model(args.mcore_dir, args.hf_dir, args.tp, args.pp)
     vocab = get_family(cfg).shapes(cfg, Layout()).vocab_size
     tok_path = args.tokenizer or (os.path.join(args.mcore_dir, "hf") if args.mcore_dir else args.hf_dir)

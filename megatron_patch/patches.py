@@ -79,6 +79,22 @@ def registry() -> dict[str, Patch]:
     return dict(_REGISTRY)
 
 
+class _NoTimingEvent:
+    """A CUDA event that records nothing (timings read as 0 ms)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def record(self, *args, **kwargs) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, other) -> float:
+        return 0.0
+
+
 def _sliding_window_mask_on_cpu(sq: int, skv: int, window_size: tuple[int, int]) -> torch.Tensor:
     """True = masked: keys outside [i - left, i + right] (offset by skv - sq), as megatron-core's."""
     keep = torch.ones(sq, skv, dtype=torch.bool).triu(skv - sq - window_size[0]).tril(skv - sq + window_size[1])
@@ -101,18 +117,23 @@ def _cpu_cuda_calls() -> Callable[[], None] | None:
       attention's softmax for sliding-window models such as Mistral) builds its mask on "cuda": the
       name imported by `megatron/core/fusions/fused_softmax.py` is pointed at the same mask built on
       the CPU.
+    - `megatron/core/inference/text_generation_controllers/text_generation_controller.py` times every
+      generation step with `torch.cuda.Event(enable_timing=True)`: a no-op event stands in.
     Does nothing when CUDA is available."""
     if torch.cuda.is_available():
         return None
     from megatron.core.fusions import fused_softmax
 
-    originals = (torch.cuda.current_device, torch.cuda.synchronize, fused_softmax.get_sliding_window_causal_mask)
+    originals = (torch.cuda.current_device, torch.cuda.synchronize, fused_softmax.get_sliding_window_causal_mask,
+                 torch.cuda.Event)
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
     torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
     fused_softmax.get_sliding_window_causal_mask = _sliding_window_mask_on_cpu
+    torch.cuda.Event = _NoTimingEvent  # type: ignore[assignment,misc]
 
     def undo() -> None:
-        torch.cuda.current_device, torch.cuda.synchronize, fused_softmax.get_sliding_window_causal_mask = originals
+        (torch.cuda.current_device, torch.cuda.synchronize, fused_softmax.get_sliding_window_causal_mask,
+         torch.cuda.Event) = originals
 
     return undo
 

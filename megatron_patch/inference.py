@@ -1,0 +1,71 @@
+"""Inference on megatron-core: load a Megatron checkpoint (as stored, any layout) or an HF folder into
+this rank's `GPTModel`, and generate with megatron.core.inference (static batching, KV cache; greedy or
+sampled with temperature / top-k / top-p). Used by `python -m megatron_patch.generate` and `.evaluate`."""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+
+import torch
+
+
+def load_model(mcore_dir: str | None, hf_dir: str | None, tp: int = 1, pp: int = 1):
+    """(this rank's GPTModel, hf_config): a Megatron checkpoint as stored, or an HF folder converted
+    in memory for this rank."""
+    if mcore_dir:
+        from megatron_patch.conversion.mcore_io import load_megatron_model
+
+        return load_megatron_model(mcore_dir, tp, pp)
+    from megatron.core import parallel_state as ps
+
+    from megatron_patch.conversion.engine import hf_to_megatron, load_rank_state_dict, make_plan
+    from megatron_patch.conversion.hf_io import HFCheckpoint
+    from megatron_patch.models import Layout, build_model, load_hf_config
+
+    cfg = load_hf_config(hf_dir)
+    model = build_model(cfg, tp, pp, perform_initialization=False)
+    rank = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank())
+    ckpt = HFCheckpoint(hf_dir)
+    state = hf_to_megatron(make_plan(cfg, Layout(tp, pp)), ckpt.get, ckpt.keys(), stages=[rank[1]], tp_ranks=[rank[0]])
+    load_rank_state_dict(model, state[rank])
+    return model.eval(), cfg
+
+
+def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
+             top_k: int = 1, top_p: float = 0.0, seed: int = 1234, max_batch_size: int = 8,
+             stop_id: int | None = None) -> list[list[int]]:
+    """New token ids for each prompt (prompts of different lengths batch together), ending at `stop_id`
+    (inclusive) or after `max_new_tokens`. top_k=1 is greedy."""
+    from megatron.core.inference.contexts import StaticInferenceContext
+    from megatron.core.inference.inference_request import InferenceRequest, Status
+    from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
+    from megatron.core.inference.sampling_params import SamplingParams
+    from megatron.core.inference.text_generation_controllers.text_generation_controller import (
+        TextGenerationController,
+    )
+
+    from megatron_patch import patches
+
+    longest = max(len(p) for p in prompts) + max_new_tokens
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, num_tokens_to_generate=max_new_tokens,
+                            termination_id=-1 if stop_id is None else stop_id)
+    out: list[list[int]] = []
+    with torch.no_grad(), patches.applied("cpu_cuda_calls"):
+        for start in range(0, len(prompts), max_batch_size):
+            batch = prompts[start: start + max_batch_size]
+            context = StaticInferenceContext(max_batch_size=len(batch), max_sequence_length=longest)
+            controller = TextGenerationController(GPTInferenceWrapper(model, context), tokenizer)
+            controller.sampling_rng.manual_seed(seed + start)  # the controller samples from its own generator
+            requests = OrderedDict(
+                (i, InferenceRequest(request_id=i, prompt="", sampling_params=params, prompt_tokens=list(p),
+                                     arrival_time=time.time(), status=Status.ACTIVE_BUT_NOT_GENERATING_TOKENS))
+                for i, p in enumerate(batch))
+            done = controller.generate_all_output_tokens_static_batch(requests)
+            for i in range(len(batch)):
+                tokens = done[i].generated_tokens
+                tokens = tokens.tolist() if hasattr(tokens, "tolist") else list(tokens)
+                if stop_id is not None and stop_id in tokens:
+                    tokens = tokens[: tokens.index(stop_id) + 1]
+                out.append(tokens)
+    return out
