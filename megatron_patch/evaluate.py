@@ -85,22 +85,14 @@ def _read_jsonl(path: str) -> list[dict]:
 def evaluate(args: argparse.Namespace) -> dict:
     import os
 
+    from megatron_patch.inference import model_and_tokenizer
     from megatron_patch.models import Layout, get_family
-    from megatron_patch.tokenizer import build_tokenizer
 
-    if not (args.mcore_dir or args.hf_dir):
-        raise ValueError("pass --mcore-dir CKPT or --hf-dir DIR")
-    for path in (args.mcore_dir, args.hf_dir, args.text, args.choices):
+    for path in (args.text, args.choices):
         if path and not os.path.exists(path):
             raise ValueError(f"{path} does not exist")
-    from megatron_patch.inference import load_model
-
-    model, cfg = load_model(args.mcore_dir, args.hf_dir, args.tp, args.pp)
+    model, cfg, tokenizer = model_and_tokenizer(args)
     vocab = get_family(cfg).shapes(cfg, Layout()).vocab_size
-    tok_path = args.tokenizer or (os.path.join(args.mcore_dir, "hf") if args.mcore_dir else args.hf_dir)
-    tokenizer = build_tokenizer(tok_path)
-    if tokenizer.vocab_size > vocab:
-        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is {vocab}")
     scorer = Scorer(model, vocab)
     report: dict = {}
     if args.text or args.data_prefix:
@@ -123,19 +115,16 @@ def evaluate(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from megatron_patch.inference import add_model_args
     from toolkits._cli import run
 
     p = argparse.ArgumentParser(prog="python -m megatron_patch.evaluate", description=__doc__.split("\n")[0])
-    p.add_argument("--mcore-dir")
-    p.add_argument("--hf-dir")
-    p.add_argument("--tokenizer", help="tokenizer folder / model (default: the checkpoint's hf/ or --hf-dir)")
+    add_model_args(p)
     p.add_argument("--text", help="JSONL documents for perplexity")
     p.add_argument("--json-key", default="text")
     p.add_argument("--data-prefix", help="a Megatron indexed dataset for perplexity")
     p.add_argument("--choices", help="JSONL multiple-choice questions")
     p.add_argument("--seq-length", type=int, default=2048)
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--pp", type=int, default=1)
     p.add_argument("--report", help="also write the JSON report here")
     args = p.parse_args(argv)
     return run(lambda: evaluate(args))[0]

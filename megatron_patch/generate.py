@@ -53,22 +53,11 @@ def _prompts(args, tokenizer) -> tuple[list[str], list[list[int]]]:
 
 
 def run(args) -> dict:
-    from megatron_patch.inference import generate, load_model
-    from megatron_patch.models import Layout, get_family
-    from megatron_patch.tokenizer import build_tokenizer
+    from megatron_patch.inference import generate, model_and_tokenizer
 
-    if not (args.mcore_dir or args.hf_dir):
-        raise ValueError("pass --mcore-dir CKPT or --hf-dir DIR")
-    for path in (args.mcore_dir, args.hf_dir):
-        if path and not os.path.exists(path):
-            raise ValueError(f"{path} does not exist")
-    tok_path = args.tokenizer or (os.path.join(args.mcore_dir, "hf") if args.mcore_dir else args.hf_dir)
-    tokenizer = build_tokenizer(tok_path)
-    texts, prompt_ids = _prompts(args, tokenizer)
-    model, cfg = load_model(args.mcore_dir, args.hf_dir, args.tp, args.pp)
-    vocab = get_family(cfg).shapes(cfg, Layout()).vocab_size
-    if tokenizer.vocab_size > vocab:
-        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is {vocab}")
+    prompts: list = []
+    model, _, tokenizer = model_and_tokenizer(args, lambda tok: prompts.extend(_prompts(args, tok)))
+    texts, prompt_ids = prompts
     start = time.time()
     top_k = 1 if args.greedy else args.top_k
     outs = generate(model, tokenizer, prompt_ids, args.max_new_tokens, args.temperature, top_k, args.top_p,
@@ -91,12 +80,11 @@ def run(args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from megatron_patch.inference import add_model_args
     from toolkits._cli import run as run_tool
 
     p = argparse.ArgumentParser(prog="python -m megatron_patch.generate", description=__doc__.split("\n")[0])
-    p.add_argument("--mcore-dir")
-    p.add_argument("--hf-dir")
-    p.add_argument("--tokenizer", help="tokenizer folder / model (default: the checkpoint's hf/ or --hf-dir)")
+    add_model_args(p)
     p.add_argument("--prompts", help="JSONL prompts (default: one per stdin line)")
     p.add_argument("--out", help="JSONL results (default: stdout)")
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -108,8 +96,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chat", action="store_true", help="render plain prompts with the chat template")
     p.add_argument("--stop", nargs="*", help="cut each generation at the first of these strings")
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--pp", type=int, default=1)
     args = p.parse_args(argv)
     return run_tool(lambda: run(args))[0]
 

@@ -32,6 +32,39 @@ def load_model(mcore_dir: str | None, hf_dir: str | None, tp: int = 1, pp: int =
     return model.eval(), cfg
 
 
+def add_model_args(parser) -> None:
+    """The model options shared by `generate` and `evaluate`."""
+    parser.add_argument("--mcore-dir", help="a Megatron checkpoint (either format, any stored layout)")
+    parser.add_argument("--hf-dir", help="or an HF folder, converted in memory")
+    parser.add_argument("--tokenizer", help="tokenizer folder / model (default: the checkpoint's hf/ or --hf-dir)")
+    parser.add_argument("--tp", type=int, default=1, help=">1 needs torchrun with TP x PP processes")
+    parser.add_argument("--pp", type=int, default=1)
+
+
+def model_and_tokenizer(args, before_loading=None):
+    """(model, hf_config, tokenizer) for `add_model_args` options; paths, and the tokenizer against the
+    model's vocab, are checked (`before_loading(tokenizer)` runs before the weights are read)."""
+    import os
+
+    from megatron_patch.models import Layout, get_family
+    from megatron_patch.tokenizer import build_tokenizer
+
+    if not (args.mcore_dir or args.hf_dir):
+        raise ValueError("pass --mcore-dir CKPT or --hf-dir DIR")
+    for path in (args.mcore_dir, args.hf_dir):
+        if path and not os.path.exists(path):
+            raise ValueError(f"{path} does not exist")
+    tokenizer = build_tokenizer(args.tokenizer or (os.path.join(args.mcore_dir, "hf") if args.mcore_dir
+                                                   else args.hf_dir))
+    if before_loading is not None:
+        before_loading(tokenizer)
+    model, cfg = load_model(args.mcore_dir, args.hf_dir, args.tp, args.pp)
+    vocab = get_family(cfg).shapes(cfg, Layout()).vocab_size
+    if tokenizer.vocab_size > vocab:
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is {vocab}")
+    return model, cfg, tokenizer
+
+
 def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
              top_k: int = 1, top_p: float = 0.0, seed: int = 1234, max_batch_size: int = 8,
              stop_id: int | None = None) -> list[list[int]]:
