@@ -1,6 +1,6 @@
 """python -m megatron_patch.generate on CPU: greedy continuations of a batch of prompts with different
-lengths equal transformers' `generate` token for token (from a converted TP2xPP2 checkpoint); sampling
-with a fixed seed is reproducible; bad input is refused."""
+lengths equal transformers' `generate` token for token (from a converted TP2xPP2 checkpoint, run at TP=1
+and at TP=2); sampling with a fixed seed is reproducible; bad input is refused."""
 
 import json
 
@@ -83,3 +83,29 @@ def test_bad_input(setup, tmp_path, capsys):
     model.save_pretrained(str(small))
     assert main(["--hf-dir", str(small), "--tokenizer", TINY_TOKENIZER, "--prompts", str(root / "prompts.jsonl")]) == 1
     assert "tokenizer has 1000 tokens but the model's vocab_size is 500" in capsys.readouterr().err
+
+
+def _generate_tp2(rank: int, mc: str) -> list[list[int]]:
+    from megatron_patch.inference import generate, load_model
+    from megatron_patch.tokenizer import build_tokenizer
+    from tests import _cpu
+
+    _cpu.init_model_parallel(2, 1)
+    model, _ = load_model(mc, None, 2, 1)
+    tok = build_tokenizer(TINY_TOKENIZER)
+    return generate(model, tok, [tok.tokenize(p) for p in PROMPTS], 12, top_k=1, stop_id=tok.eod)
+
+
+def test_greedy_at_tp2_equals_transformers(setup):
+    """The same batch at TP=2 (two gloo processes, the checkpoint's TP2 x PP2 resharded to TP2 x PP1)."""
+    from megatron_patch.tokenizer import build_tokenizer
+    from tests import _cpu
+
+    root, hf, mc = setup
+    tok = build_tokenizer(TINY_TOKENIZER)
+    per_rank = _cpu.run_world(2, _generate_tp2, mc)
+    for i, prompt in enumerate(PROMPTS):
+        ids = tok.tokenize(prompt)
+        ref = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=tok.eod,
+                          pad_token_id=tok.pad)[0, len(ids):].tolist()
+        assert per_rank[0][i] == per_rank[1][i] == ref
