@@ -85,3 +85,23 @@ def test_bad_input(setup, tmp_path, capsys):
                         (["--mcore-dir", mc], "nothing to evaluate")]:
         assert main(argv) == 1
         assert match in capsys.readouterr().err
+
+
+def test_tp2_under_torchrun_matches_tp1(setup, capsys):
+    """`torchrun --nproc-per-node 2 -m megatron_patch.evaluate --tp 2` (gloo on CPU): same perplexity."""
+    import os
+    import subprocess
+    import sys
+
+    from megatron_patch.evaluate import main
+
+    root, *_, mc = setup
+    argv = ["--mcore-dir", mc, "--text", str(root / "docs.jsonl"), "--seq-length", "64"]
+    assert main(argv) == 0
+    tp1 = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["perplexity"]
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m",
+                        "megatron_patch.evaluate", *argv, "--tp", "2"], capture_output=True, text=True,
+                       env={**os.environ, "TORCHDYNAMO_DISABLE": "1"}, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    tp2 = json.loads(p.stdout.strip().splitlines()[-1])["perplexity"]
+    assert tp2["tokens"] == tp1["tokens"] and abs(tp2["loss"] - tp1["loss"]) <= 1e-5

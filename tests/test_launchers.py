@@ -52,3 +52,13 @@ def test_named_options_environment_and_passthrough():
 def test_missing_required_options():
     code, _, err = _dry_run("llama", "--model", "m")
     assert code == 1 and "--data PREFIX is required" in err
+
+
+@pytest.mark.parametrize("family", sorted(families()))
+def test_generate_and_evaluate_launchers(family):
+    for tool in ("generate", "evaluate"):
+        script = os.path.join(ROOT, "examples", family, f"{tool}.sh")
+        text = open(script).read()
+        assert f"-m megatron_patch.{tool} --mcore-dir" in text
+        p = subprocess.run(["bash", script], capture_output=True, text=True)
+        assert p.returncode != 0 and "checkpoint folder" in p.stderr

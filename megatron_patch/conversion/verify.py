@@ -39,8 +39,8 @@ def megatron_logits(model, input_ids: Tensor, vocab_size: int) -> Tensor | None:
             out = model(ids, pos, mask)
         else:
             out = _pipeline_forward(model, ids, pos, mask)
-    if out is not None:
-        out = gather_from_tensor_model_parallel_region(out)[..., :vocab_size].float().cpu()
+        if out is not None:
+            out = gather_from_tensor_model_parallel_region(out)[..., :vocab_size].float().cpu()
     return _from_last_stage(out, (b, s, vocab_size))
 
 

@@ -9,6 +9,7 @@ TP/PP arithmetic lives in `megatron_patch.conversion.engine`.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
@@ -256,10 +257,17 @@ def ensure_model_parallel(tp: int, pp: int) -> None:
     from megatron.core import parallel_state as ps
 
     if not dist.is_initialized():
-        if tp * pp != 1:
-            raise RuntimeError(f"TP={tp} x PP={pp} needs torch.distributed initialised (torchrun)")
-        # an in-memory store: no port, nothing inherited by child processes
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world > 1:  # launched by torchrun: join its world (NCCL on GPUs, gloo on CPUs)
+            if torch.cuda.is_available():
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        elif tp * pp != 1:
+            raise RuntimeError(f"TP={tp} x PP={pp} needs {tp * pp} processes: run under torchrun "
+                               f"--nproc-per-node {tp * pp}")
+        else:
+            # an in-memory store: no port, nothing inherited by child processes
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     if not ps.model_parallel_is_initialized():
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
