@@ -70,34 +70,21 @@ class Scorer:
         return {"acc": correct / len(rows), "acc_norm": correct_norm / len(rows), "questions": len(rows)}
 
 
-def _read_jsonl(path: str) -> list[dict]:
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}, line {n}: not JSON ({e.msg})") from e
-    return rows
-
-
 def evaluate(args: argparse.Namespace) -> dict:
     import os
 
     from megatron_patch.inference import model_and_tokenizer
-    from megatron_patch.models import Layout, get_family
+    from megatron_patch.jsonl import read_jsonl
 
     for path in (args.text, args.choices):
         if path and not os.path.exists(path):
             raise ValueError(f"{path} does not exist")
-    model, cfg, tokenizer = model_and_tokenizer(args)
-    vocab = get_family(cfg).shapes(cfg, Layout()).vocab_size
+    model, vocab, tokenizer = model_and_tokenizer(args)
     scorer = Scorer(model, vocab)
     report: dict = {}
     if args.text or args.data_prefix:
         if args.text:
-            docs = [tokenizer.tokenize(r[args.json_key]) for r in _read_jsonl(args.text)]
+            docs = [tokenizer.tokenize(r[args.json_key]) for r in read_jsonl(args.text)]
         else:
             from megatron.core.datasets.indexed_dataset import IndexedDataset
 
@@ -105,7 +92,7 @@ def evaluate(args: argparse.Namespace) -> dict:
             docs = [ds[i].tolist() for i in range(len(ds))]
         report["perplexity"] = scorer.perplexity(docs, args.seq_length)
     if args.choices:
-        report["multiple_choice"] = scorer.multiple_choice(_read_jsonl(args.choices), tokenizer.tokenize)
+        report["multiple_choice"] = scorer.multiple_choice(read_jsonl(args.choices), tokenizer.tokenize)
     if not report:
         raise ValueError("nothing to evaluate: pass --text, --data-prefix and/or --choices")
     if args.report:

@@ -26,16 +26,9 @@ def _prompts(args, tokenizer) -> tuple[list[str], list[list[int]]]:
     if args.prompts:
         if not os.path.isfile(args.prompts):
             raise ValueError(f"{args.prompts} does not exist")
-        with open(args.prompts, encoding="utf-8") as f:
-            rows = []
-            for n, line in enumerate(f, 1):
-                if line.strip():
-                    try:
-                        rows.append(json.loads(line))
-                    except json.JSONDecodeError as e:
-                        raise ValueError(f"{args.prompts}, line {n}: not JSON ({e.msg})") from e
-                    if not isinstance(rows[-1], dict) or not ({"prompt", "messages"} & set(rows[-1])):
-                        raise ValueError(f"{args.prompts}, line {n}: needs a 'prompt' or 'messages' field")
+        from megatron_patch.jsonl import read_jsonl
+
+        rows = read_jsonl(args.prompts, need_any=("prompt", "messages"))
     else:
         rows = [{"prompt": line.rstrip("\n")} for line in sys.stdin if line.strip()]
     for row in rows:

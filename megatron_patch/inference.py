@@ -42,7 +42,7 @@ def add_model_args(parser) -> None:
 
 
 def model_and_tokenizer(args, before_loading=None):
-    """(model, hf_config, tokenizer) for `add_model_args` options; paths, and the tokenizer against the
+    """(model, the model's vocab_size, tokenizer) for `add_model_args` options; paths, and the tokenizer against the
     model's vocab, are checked (`before_loading(tokenizer)` runs before the weights are read)."""
     import os
 
@@ -62,7 +62,7 @@ def model_and_tokenizer(args, before_loading=None):
     vocab = get_family(cfg).shapes(cfg, Layout()).vocab_size
     if tokenizer.vocab_size > vocab:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is {vocab}")
-    return model, cfg, tokenizer
+    return model, vocab, tokenizer
 
 
 def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,

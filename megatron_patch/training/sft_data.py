@@ -18,29 +18,18 @@ rest of a bin is padding with no loss. A sample carries, for the tokens fed to t
 
 from __future__ import annotations
 
-import gzip
-import json
 import random
 from collections.abc import Iterable
 
 import numpy as np
 import torch
 
+from megatron_patch.jsonl import read_jsonl
 from megatron_patch.tokenizer import Tokenizer
 
 
 def read_conversations(paths: Iterable[str]) -> list[dict]:
-    out = []
-    for path in paths:
-        opener = gzip.open if path.endswith(".gz") else open
-        with opener(path, "rt", encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    out.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}, line {n}: not JSON ({e.msg})") from e
+    out = [row for path in paths for row in read_jsonl(path)]
     if not out:
         raise ValueError(f"no conversations in {', '.join(paths)}")
     return out
