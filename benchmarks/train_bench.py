@@ -2,7 +2,10 @@
 Transformer Engine, bf16 and fp8) vs a plain HF `transformers` training step (bf16 weights, sdpa
 attention, fused AdamW) on the same LLaMA shape, in the same run. Prints a table (docs/benchmarks.md).
 
-    python benchmarks/train_bench.py [--shapes 1b 8b] [--iters 30]
+    python benchmarks/train_bench.py [--shapes 1b 8b] [--iters 30] [--runs bf16 fp8 ...]
+
+Runs (`--runs`, names from RUNS): "bf16" and "fp8" are our path with its defaults; the others add or
+remove one Megatron flag each, to show what each costs or buys.
 
 TFLOP/s use Megatron's formula (`megatron.training.training.num_floating_point_operations`, which
 counts the causal attention and the output layer) for both sides, so the columns compare directly;
@@ -32,6 +35,18 @@ SHAPES = {  # LLaMA widths; the 8B width keeps 8 of its 32 layers so one GPU hol
 VOCAB = 128256
 
 
+RUNS = {  # name -> (precision, extra Megatron flags)
+    "bf16": ("bf16", []),
+    "fp8": ("fp8", []),
+    "bf16 no-wgrad-fusion": ("bf16", ["--no-gradient-accumulation-fusion"]),
+    "bf16 no-mask": ("bf16", ["--no-create-attention-mask-in-dataloader"]),
+    "bf16 ce-fusion": ("bf16", ["--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "native"]),
+    "fp8 ce-fusion": ("fp8", ["--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "native"]),
+    "fp8 tensorwise ce-fusion": ("fp8", ["--fp8-recipe", "tensorwise", "--cross-entropy-loss-fusion",
+                                         "--cross-entropy-fusion-impl", "native"]),
+}
+
+
 def config(shape: str) -> dict:
     s = SHAPES[shape]
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": VOCAB,
@@ -59,7 +74,7 @@ def flops_per_iteration(shape: str) -> float:
     return float(num_floating_point_operations(args, s["mbs"]))
 
 
-def ours(shape: str, precision: str, iters: int, tmp: str) -> dict:
+def ours(shape: str, precision: str, iters: int, tmp: str, extra: list[str]) -> dict:
     s = SHAPES[shape]
     path = os.path.join(tmp, f"{shape}.json")
     with open(path, "w") as f:
@@ -68,9 +83,9 @@ def ours(shape: str, precision: str, iters: int, tmp: str) -> dict:
            "--hf-config", path, "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB),
            "--seq-length", str(s["seq"]), "--micro-batch-size", str(s["mbs"]), "--global-batch-size", str(s["mbs"]),
            "--train-iters", str(iters), "--lr", "1e-4", "--precision", precision, "--transformer-impl",
-           "transformer_engine", "--no-gradient-accumulation-fusion", "--log-interval", "1", "--log-throughput",
+           "transformer_engine", "--log-interval", "1", "--log-throughput",
            "--eval-iters", "0", "--eval-interval", "100000", "--use-distributed-optimizer",
-           "--attention-backend", "auto", "--make-vocab-size-divisible-by", "128"]
+           "--attention-backend", "auto", "--make-vocab-size-divisible-by", "128", *extra]
     env = {**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1", "PYTHONPATH": ROOT + ":" + os.environ.get("PYTHONPATH", "")}
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     text = p.stdout + p.stderr
@@ -79,7 +94,8 @@ def ours(shape: str, precision: str, iters: int, tmp: str) -> dict:
     if p.returncode or len(ms) < 4:
         return {"error": text[-2000:]}
     step = sorted(ms[len(ms) // 2:])[len(ms[len(ms) // 2:]) // 2] / 1000  # median of the second half
-    return {"s_per_iter": step, "peak_gb": max(mem) / 1024 if mem else None}
+    losses = [float(x) for x in re.findall(r"lm loss: ([0-9.E+-]+)", text)]
+    return {"s_per_iter": step, "peak_gb": max(mem) / 1024 if mem else None, "last_loss": losses[-1] if losses else None}
 
 
 def hf(shape: str, iters: int) -> dict:
@@ -113,6 +129,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="+", default=["1b", "8b"], choices=sorted(SHAPES))
     ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--runs", nargs="+", default=["bf16", "fp8"], choices=sorted(RUNS))
     a = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -120,8 +137,10 @@ def main() -> None:
             flops = flops_per_iteration(shape)
             tokens = SHAPES[shape]["mbs"] * SHAPES[shape]["seq"]
             results = {"HF transformers bf16": hf(shape, a.iters)}
-            for precision in ("bf16", "fp8"):
-                results[f"ours {precision}"] = ours(shape, precision, a.iters, tmp)
+            for run in a.runs:
+                precision, extra = RUNS[run]
+                results[f"ours {run}"] = ours(shape, precision, a.iters, tmp, extra)
+                print(shape, run, results[f"ours {run}"], flush=True)
             base = results["HF transformers bf16"].get("s_per_iter")
             for name, r in results.items():
                 if "error" in r:
@@ -130,7 +149,8 @@ def main() -> None:
                 rows.append({"shape": shape, "run": name, "tokens_per_s": round(tokens / r["s_per_iter"]),
                              "tflops": round(flops / r["s_per_iter"] / 1e12, 1),
                              "vs_hf": round(base / r["s_per_iter"], 3) if base else None,
-                             "peak_gb": round(r["peak_gb"], 1) if r["peak_gb"] else None})
+                             "peak_gb": round(r["peak_gb"], 1) if r["peak_gb"] else None,
+                             "last_loss": r.get("last_loss")})
     print("| shape | run | tokens/s | TFLOP/s | × HF | peak GB |")
     print("|---|---|---|---|---|---|")
     for r in rows:

@@ -69,7 +69,7 @@ def _argv(data: str, save: str, *extra: str, model=("--hf-config", TINY_LLAMA)) 
             "--tokenizer-model", TINY_TOKENIZER, "--seq-length", "64", "--micro-batch-size", "2",
             "--global-batch-size", "4", "--train-iters", "15", "--lr", "3e-3", "--min-lr", "3e-4",
             "--lr-decay-style", "cosine", "--lr-warmup-iters", "2", "--transformer-impl", "local",
-            "--use-cpu-initialization", "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
+            "--use-cpu-initialization", "--no-masked-softmax-fusion",
             "--no-persist-layer-norm", "--no-rope-fusion", "--no-bias-swiglu-fusion", "--distributed-backend",
             "gloo", "--num-workers", "0", "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000",
             "--save", save, "--save-interval", "10", "--seed", "1234", "--data-cache-path",

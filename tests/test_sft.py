@@ -117,7 +117,7 @@ def test_sft_end_to_end_with_packing(tmp_path):
             "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", TINY_TOKENIZER, "--seq-length", "128",
             "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "12", "--lr", "3e-3",
             "--lr-decay-style", "constant", "--transformer-impl", "local", "--use-cpu-initialization",
-            "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-persist-layer-norm",
+            "--no-masked-softmax-fusion", "--no-persist-layer-norm",
             "--no-rope-fusion", "--no-bias-swiglu-fusion", "--distributed-backend", "gloo", "--num-workers", "0",
             "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000", "--seed", "1234"]
     run = _cpu.run_world(1, _run, argv)[0]

@@ -36,3 +36,21 @@ def test_few_steps_forward_backward(cpu_megatron, variant):
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < losses[0] - 0.1, losses
+
+
+def test_te_wgrad_fusion_without_apex():
+    """Megatron's --gradient-accumulation-fusion (its default) stays on for TE-style layers (anything with
+    `fuse_wgrad_accumulation`) and off for megatron's own linear layers when Apex is missing."""
+    import torch.nn as nn
+
+    from megatron_patch.training.model import _apex_wgrad_available, fuse_te_wgrad
+
+    class TELike(nn.Linear):
+        fuse_wgrad_accumulation = False
+
+    model = nn.Sequential(TELike(2, 2), nn.Linear(2, 2), nn.Sequential(TELike(2, 2)))
+    assert fuse_te_wgrad(model, wanted=False) == 0 and not model[0].fuse_wgrad_accumulation
+    assert fuse_te_wgrad(model, wanted=True) == 2
+    assert model[0].fuse_wgrad_accumulation and model[2][0].fuse_wgrad_accumulation
+    assert not hasattr(model[1], "fuse_wgrad_accumulation")
+    assert _apex_wgrad_available() is False  # this CPU environment has no Apex: megatron's layers fuse nothing

@@ -22,23 +22,54 @@ def transformer_config_from_args(args, hf_config: Any):
     shapes = family.shapes(hf_config, Layout(args.tensor_model_parallel_size, 1, args.make_vocab_size_divisible_by))
     fields["num_query_groups"] = shapes.num_query_groups
     fields["hidden_dropout"], fields["attention_dropout"] = args.hidden_dropout, args.attention_dropout
+    # megatron's own (non-TE) linear layers fuse weight-gradient accumulation only through Apex's
+    # extension; without it they accumulate the ordinary way and TE's layers fuse on their own (below)
+    fields["gradient_accumulation_fusion"] = args.gradient_accumulation_fusion and _apex_wgrad_available()
     return type(base)(**fields)
+
+
+def _apex_wgrad_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
+
+
+def fuse_te_wgrad(model, wanted: bool) -> int:
+    """`--gradient-accumulation-fusion` (Megatron's default) for Transformer Engine's layers even without
+    Apex: TE accumulates weight gradients straight into the optimizer's fp32 `main_grad` buffer itself.
+    Megatron ties the switch for all layers to Apex being installed (its output layer needs Apex), which
+    would turn TE's fusion off too. Returns the number of TE layers switched on."""
+    n = 0
+    for module in model.modules():
+        if wanted and hasattr(module, "fuse_wgrad_accumulation") and not module.fuse_wgrad_accumulation:
+            module.fuse_wgrad_accumulation = True
+            n += 1
+    return n
 
 
 def load_hf_weights(model, hf_dir: str, hf_config: Any, args) -> None:
     """Fill this rank's freshly built model from an HF checkpoint: only the tensors of this rank's
-    pipeline stage are read (one at a time, positioned reads), and this TP rank keeps its slice."""
+    pipeline stage are read (one at a time, positioned reads), and this TP rank keeps its slice. A reward
+    model may start from a causal LM: its backbone is read and the scalar head keeps its initialisation."""
     from megatron.core import parallel_state as ps
 
     from megatron_patch.conversion.engine import hf_to_megatron, load_rank_state_dict, make_plan
     from megatron_patch.conversion.hf_io import HFCheckpoint
+    from megatron_patch.models import load_hf_config
+    from megatron_patch.models.reward import SCORE, is_reward_config
 
     layout = Layout(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                     args.make_vocab_size_divisible_by)
-    plan = make_plan(hf_config, layout, args.transformer_impl, padded_vocab_size=args.padded_vocab_size)
-    rank = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank())
     ckpt = HFCheckpoint(hf_dir)
+    fresh_head = is_reward_config(hf_config) and SCORE not in ckpt.keys()
+    source = load_hf_config(hf_dir) if fresh_head else hf_config
+    plan = make_plan(source, layout, args.transformer_impl, padded_vocab_size=args.padded_vocab_size)
+    rank = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank())
     state = hf_to_megatron(plan, ckpt.get, ckpt.keys(), stages=[rank[1]], tp_ranks=[rank[0]])[rank]
+    if fresh_head:
+        state.pop("output_layer.weight", None)
+        if model.post_process:
+            state["output_layer.weight"] = model.output_layer.weight.detach()
     load_rank_state_dict(model, state)
 
 
@@ -52,6 +83,7 @@ def make_model_provider(hf_config: Any):
         model = gpt_model(hf_config, tc, args.padded_vocab_size, pre_process, post_process,
                           fp16_lm_cross_entropy=args.fp16_lm_cross_entropy, parallel_output=True,
                           **({"vp_stage": vp_stage} if vp_stage is not None else {}))
+        fuse_te_wgrad(model, args.gradient_accumulation_fusion)
         if args.load_hf and not args.resuming:
             load_hf_weights(model, args.load_hf, hf_config, args)
         return model
