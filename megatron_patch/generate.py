@@ -7,7 +7,8 @@
 Prompts: JSONL rows with "prompt" (text), or "messages" (rendered with the tokenizer's chat template and
 a generation prompt, also with --chat for "prompt" rows); without --prompts, one prompt per stdin line.
 Output: one JSON row per prompt {"prompt", "generated_text", "generated_tokens"} to --out (or stdout),
-then a summary line. Generation stops at the tokenizer's end-of-document token or after
+then a summary line. With one prompt, the text also streams to the terminal (stderr) as it is generated
+(`--stream` forces it on, `--no-stream` off). Generation stops at the tokenizer's end-of-document token or after
 --max-new-tokens; --stop strings cut the text at their first occurrence. Built on megatron.core.inference
 (static batching with a KV cache); TP/PP > 1 under torchrun.
 """
@@ -45,16 +46,37 @@ def _prompts(args, tokenizer) -> tuple[list[str], list[list[int]]]:
     return texts, ids
 
 
+class _Printer:
+    """Streams prompt 0's text to stderr: after each step, the part of the decoded text not yet shown."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.shown = tokenizer, ""
+
+    def __call__(self, index: int, tokens: list[int]) -> None:
+        if index:
+            return
+        text = self.tokenizer.detokenize([t for t in tokens if t != self.tokenizer.eod])
+        if text.startswith(self.shown):  # a partial multi-byte character can change the tail: wait for it
+            sys.stderr.write(text[len(self.shown):])
+            sys.stderr.flush()
+            self.shown = text
+
+
 def run(args) -> dict:
     from megatron_patch.inference import generate, model_and_tokenizer
+    from toolkits._cli import is_first_rank
 
     prompts: list = []
     model, _, tokenizer = model_and_tokenizer(args, lambda tok: prompts.extend(_prompts(args, tok)))
     texts, prompt_ids = prompts
     start = time.time()
     top_k = 1 if args.greedy else args.top_k
+    stream = args.stream if args.stream is not None else len(prompt_ids) == 1 and sys.stderr.isatty()
+    printer = _Printer(tokenizer) if stream and is_first_rank() else None
     outs = generate(model, tokenizer, prompt_ids, args.max_new_tokens, args.temperature, top_k, args.top_p,
-                    args.seed, args.batch_size, stop_id=tokenizer.eod)
+                    args.seed, args.batch_size, stop_id=tokenizer.eod, on_tokens=printer)
+    if printer is not None:
+        sys.stderr.write("\n")
     seconds = time.time() - start
     sink = open(args.out, "w", encoding="utf-8") if args.out else sys.stdout
     try:
@@ -89,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chat", action="store_true", help="render plain prompts with the chat template")
     p.add_argument("--stop", nargs="*", help="cut each generation at the first of these strings")
     p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
+                   help="print the text to stderr as it is generated (default: on for one prompt on a terminal)")
     args = p.parse_args(argv)
     return run_tool(lambda: run(args))[0]
 

@@ -74,6 +74,8 @@ def test_bad_input(setup, tmp_path, capsys):
     for argv, match in [
         (["--mcore-dir", str(tmp_path / "none"), "--prompts", str(root / "prompts.jsonl")], "does not exist"),
         (["--mcore-dir", mc, "--prompts", str(notjson)], "line 1: not JSON"),
+        (["--mcore-dir", mc, "--prompts", str(root / "prompts.jsonl"), "--impl", "transformer_engine"],
+         "holds the local implementation's names"),
     ]:
         assert main(argv) == 1
         assert match in capsys.readouterr().err
@@ -109,3 +111,24 @@ def test_greedy_at_tp2_equals_transformers(setup):
         ref = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=tok.eod,
                           pad_token_id=tok.pad)[0, len(ids):].tolist()
         assert per_rank[0][i] == per_rank[1][i] == ref
+
+
+def test_single_prompt_streams_to_terminal(setup, tmp_path, capsys):
+    """--stream prints the text step by step to stderr; the streamed text is the final generation, and
+    the library's per-step callback sees the tokens grow one at a time."""
+    from megatron_patch.generate import main
+    from megatron_patch.inference import generate, load_model
+    from megatron_patch.tokenizer import build_tokenizer
+
+    root, _, mc = setup
+    one = tmp_path / "one.jsonl"
+    one.write_text(json.dumps({"prompt": PROMPTS[1]}) + "\n")
+    assert main(["--mcore-dir", mc, "--prompts", str(one), "--out", str(tmp_path / "o.jsonl"), "--greedy",
+                 "--max-new-tokens", "8", "--stream"]) == 0
+    row = _rows(tmp_path / "o.jsonl")[0]
+    assert row["generated_text"] and capsys.readouterr().err.endswith(row["generated_text"] + "\n")
+    tok = build_tokenizer(TINY_TOKENIZER)
+    model, _ = load_model(mc, None)
+    seen = []
+    out = generate(model, tok, [tok.tokenize(PROMPTS[1])], 8, top_k=1, on_tokens=lambda i, t: seen.append((i, t)))
+    assert [len(t) for _, t in seen] == list(range(1, len(out[0]) + 1)) and seen[-1] == (0, out[0])

@@ -25,8 +25,12 @@ def run(work: Callable[[], dict]) -> tuple[int, dict | None]:
     except KeyboardInterrupt:
         print("\nerror: interrupted; no output was left behind", file=sys.stderr)
         return 130, None
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_rank() == 0:  # under torchrun, one summary
+    if is_first_rank():  # under torchrun, one summary
         print(json.dumps(result))
     return 0, result
+
+
+def is_first_rank() -> bool:
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0

@@ -598,6 +598,9 @@ def load_megatron_model(ckpt_dir: str, tp: int = 1, pp: int = 1, impl: str | Non
 
     ckpt = MegatronCheckpoint.open(ckpt_dir, hf_config)
     impl = impl or ckpt.impl
+    if ckpt.format == "torch_dist" and impl != ckpt.impl:
+        raise ValueError(f"{ckpt_dir} holds the {ckpt.impl} implementation's names; loading it as {impl} needs a "
+                         f"conversion (toolkits.checkpoint_converter mcore-to-mcore --impl {impl})")
     ensure_model_parallel(tp, pp)
     # torch_dist is loaded as stored (its kv-head replication included); legacy goes through HF tensors
     groups = {"num_query_groups": ckpt.num_query_groups} if ckpt.format == "torch_dist" else {}
