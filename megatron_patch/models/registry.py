@@ -13,6 +13,7 @@ import os
 from typing import Any
 
 from megatron_patch.models.family import ModelFamily, cfg_get
+from megatron_patch.models.reward import causal_lm_architecture, is_reward_architecture, reward_family
 
 # family name -> (module defining FAMILY, HF architectures it serves)
 _FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -73,12 +74,16 @@ def get_family(hf_config_or_name: Any) -> ModelFamily:
         for name, (_, archs) in _FAMILIES.items():
             if key in archs:
                 return _load(name)
+        if is_reward_architecture(key):
+            return reward_family(get_family(causal_lm_architecture(key)))
         raise UnknownArchitecture(f"unsupported architecture or family {key!r}; supported: {_supported()}")
     archs = cfg_get(hf_config_or_name, "architectures") or []
     for arch in archs:
         for name, (_, served) in _FAMILIES.items():
             if arch in served:
                 return _load(name)
+        if is_reward_architecture(arch):  # a reward model: the causal LM's family with a scalar head
+            return get_family(arch)
     raise UnknownArchitecture(
         f"unsupported architecture {archs or '(config has no architectures field)'}; supported: {_supported()}"
     )

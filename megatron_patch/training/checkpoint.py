@@ -4,8 +4,8 @@ mcore-to-hf` exports it as is; `--save-hf` runs that export at the end of traini
 
 from __future__ import annotations
 
+import json
 import os
-import shutil
 
 import torch.distributed as dist
 
@@ -17,18 +17,17 @@ def _rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def describe_checkpoint(args) -> None:
-    """Write `SAVE/hf/` (config.json, tokenizer and generation files of the HF source) once."""
+def describe_checkpoint(args, hf_config: dict) -> None:
+    """Write `SAVE/hf/`: the model's HF config (`hf_config`, what the model is built from) and the
+    tokenizer and generation files of the HF source."""
     if not args.save or not _rank0():
         return
     side = os.path.join(args.save, HF_SUBDIR)
-    if os.path.abspath(side) == os.path.abspath(args.hf_config):
-        return
     os.makedirs(side, exist_ok=True)
-    if os.path.isdir(args.hf_config):
+    if os.path.isdir(args.hf_config) and os.path.abspath(side) != os.path.abspath(args.hf_config):
         copy_side_files(args.hf_config, side)
-    else:
-        shutil.copy2(args.hf_config, os.path.join(side, "config.json"))
+    with open(os.path.join(side, "config.json"), "w") as f:
+        json.dump(hf_config, f, indent=2)
 
 
 def export_hf(args) -> None:
