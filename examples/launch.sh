@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Shared launcher behind examples/<family>/{pretrain,sft}.sh: named options with defaults, everything
+# Shared launcher behind examples/<family>/{pretrain,sft,rlhf_rm,rlhf_dpo}.sh: named options with defaults, everything
 # after them passed through to Megatron, torchrun sized from the environment so the same script runs
 # on one GPU and on a multi-node cluster.
 #
@@ -8,12 +8,13 @@
 #       [--out DIR] [--from-hf] [--dry-run] [-- any Megatron-LM argument ...]
 #
 # --model: an HF folder (config.json, tokenizer; with --from-hf also the weights to start from).
-# --data: pretrain: an indexed-dataset prefix (toolkits.preprocess_data); sft: JSONL conversations.
+# --data: pretrain: an indexed-dataset prefix (toolkits.preprocess_data); sft: JSONL conversations;
+# rlhf.reward_model / rlhf.dpo: JSONL preference rows {"prompt", "chosen", "rejected"}.
 # Environment: NPROC_PER_NODE (default: GPUs visible, else 1), NNODES (1), NODE_RANK (0),
 # MASTER_ADDR (localhost), MASTER_PORT (6000); PYTHON (python).
 set -euo pipefail
 
-ENTRY=${ENTRY:?set by the family script: pretrain or sft}
+ENTRY=${ENTRY:?set by the family script: pretrain, sft, rlhf.reward_model or rlhf.dpo}
 MODEL=${MODEL:-}
 DATA=${DATA:-}
 TOKENIZER=""
@@ -44,6 +45,9 @@ done
 if [[ "$ENTRY" == sft ]]; then
   [[ -n "$DATA" ]] || { echo "error: --data FILE.jsonl is required (chat or instruction JSONL)" >&2; exit 1; }
   DATA_ARGS=(--sft-data "$DATA")
+elif [[ "$ENTRY" == rlhf.* ]]; then
+  [[ -n "$DATA" ]] || { echo "error: --data FILE.jsonl is required (preference JSONL)" >&2; exit 1; }
+  DATA_ARGS=(--pref-data "$DATA")
 else
   [[ -n "$DATA" ]] || { echo "error: --data PREFIX is required (python -m toolkits.preprocess_data makes it)" >&2; exit 1; }
   DATA_ARGS=(--data-path "$DATA" --split 99,1,0)

@@ -62,3 +62,17 @@ def test_generate_and_evaluate_launchers(family):
         assert f"-m megatron_patch.{tool} --mcore-dir" in text
         p = subprocess.run(["bash", script], capture_output=True, text=True)
         assert p.returncode != 0 and "checkpoint folder" in p.stderr
+
+
+@pytest.mark.parametrize("family", sorted(families()))
+def test_rlhf_launchers(family):
+    for script, entry in (("rlhf_rm", "rlhf.reward_model"), ("rlhf_dpo", "rlhf.dpo")):
+        code, cmd, err = _dry_run(family, "--data", "prefs.jsonl", entry=script)
+        assert code == 0, err
+        assert cmd[cmd.index("-m") + 1] == f"megatron_patch.{entry}"
+        assert cmd[cmd.index("--pref-data") + 1] == "prefs.jsonl"
+        assert cmd[cmd.index("--load-hf") + 1] == cmd[cmd.index("--tokenizer-model") + 1]
+    text = open(os.path.join(ROOT, "examples", family, "rlhf_grpo.sh")).read()
+    assert "-m megatron_patch.rlhf.grpo --hf-dir" in text
+    p = subprocess.run(["bash", os.path.join(ROOT, "examples", family, "rlhf_grpo.sh")], capture_output=True, text=True)
+    assert p.returncode != 0 and "HF model folder" in p.stderr

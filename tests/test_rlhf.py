@@ -174,3 +174,76 @@ def test_dpo_raises_margin_and_accuracy_on_held_out_pairs(hf_start, tmp_path):
     reference, _ = load_model(None, hf_start)
     margin, accuracy = _held_out_margins(policy, reference, batch, 0.1)
     assert margin > 0.5 and accuracy >= 0.9, (margin, accuracy, logged[-1])
+
+
+_TOK = []
+
+
+def toy_reward(prompt: str, completion: str) -> float:
+    """The toy rule for GRPO: the share of the completion's tokens with an id below 200."""
+    if not _TOK:
+        _TOK.append(build_tokenizer(TINY_TOKENIZER))
+    ids = _TOK[0].tokenize(completion)
+    return sum(i < 200 for i in ids) / max(len(ids), 1)
+
+
+def test_grpo_raises_the_mean_reward(cpu_megatron, hf_start, tmp_path, capsys):
+    from megatron_patch.rlhf.grpo import main
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in
+                               ["The module", "A list of", "When the function", "def f(x):"]))
+    out = tmp_path / "policy"
+    assert main(["--hf-dir", hf_start, "--prompts", str(prompts), "--reward", "tests.test_rlhf:toy_reward",
+                 "--steps", "30", "--prompts-per-step", "4", "--group-size", "8", "--max-new-tokens", "8",
+                 "--lr", "3e-3", "--kl-coef", "0.01", "--out", str(out)]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["reward_last"] > summary["reward_first"] + 0.3, summary
+    # the exported policy is an HF model that differs from the start
+    from megatron_patch.conversion.hf_io import read_all
+
+    start, end = read_all(hf_start), read_all(str(out))
+    assert start.keys() == end.keys() and any(not torch.equal(start[k], end[k]) for k in start)
+
+
+def test_grpo_advantages_and_loss_by_hand():
+    from megatron_patch.rlhf.grpo import group_advantages, grpo_loss
+
+    adv = group_advantages(torch.tensor([1.0, 0.0, 0.5, 0.5]), 2)
+    assert torch.allclose(adv, torch.tensor([1.0, -1.0, 0.0, 0.0]), atol=1e-3)
+    logps = torch.tensor([[-1.0, -2.0], [-1.5, -0.5]])
+    old = logps.clone()
+    mask = torch.tensor([[1.0, 1.0], [0.0, 1.0]])
+    loss, kl = grpo_loss(logps, old, logps.clone(), torch.tensor([2.0, -1.0]), mask, 0.2, 0.1)
+    # ratio 1 and KL 0: loss = mean over rows of -A (each row's token mean)
+    assert abs(float(loss) - (-2.0 + 1.0) / 2) < 1e-6 and kl == 0.0
+
+
+def _entry_error(rank: int, entry: str, argv: list[str]) -> str:
+    _cpu.install_training()
+    import importlib
+
+    try:
+        importlib.import_module(f"megatron_patch.rlhf.{entry}").main(argv)
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def test_bad_input_refused_before_training(hf_start, tmp_path):
+    """A tokenizer larger than the model's vocabulary, missing preference data, and DPO with PP > 1."""
+    small = tmp_path / "small.json"
+    small.write_text(json.dumps({**json.load(open(f"{hf_start}/config.json")), "vocab_size": 500}))
+    prefs = tmp_path / "p.jsonl"
+    prefs.write_text(json.dumps(preferences(1, 0)[0]) + "\n")
+    base = ["--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "1",
+            "--lr", "1e-3", *CPU_ARGS]
+    for entry, argv, match in [
+        ("reward_model", ["--hf-config", str(small), "--pref-data", str(prefs)], "tokenizer has 1000 tokens"),
+        ("dpo", ["--load-hf", hf_start], "no preference data"),
+        ("dpo", ["--load-hf", hf_start, "--pref-data", str(prefs), "--pipeline-model-parallel-size", "2"],
+         "pipeline parallelism is not supported"),
+    ]:
+        err = _cpu.run_world(2 if "--pipeline-model-parallel-size" in argv else 1, _entry_error, entry,
+                             argv + base)[0]
+        assert match in err, (entry, err)

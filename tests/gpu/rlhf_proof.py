@@ -1,0 +1,109 @@
+"""GPU proof of the RLHF paths (docs/gpu_results.md): a ~125M LLaMA-family model (the training proof's
+shape, random start, the bundled tiny tokenizer) runs each algorithm on the synthetic tasks of
+tests/test_rlhf.py, Transformer Engine implementation:
+
+- reward model (megatron.training, bf16): pairwise accuracy and margin over the iterations;
+- DPO (megatron.training, bf16, reference on the fly): reward accuracy and margin;
+- GRPO (own loop, fp32 policy, rollouts with megatron.core.inference): mean reward first vs last steps.
+
+Run: python tests/gpu/rlhf_proof.py OUT_DIR   (tests/gpu/test_rlhf_proof.py does); prints a JSON report."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+from tests.gpu.train_proof import MODEL  # noqa: E402
+
+METRIC = re.compile(r"iteration\s+(\d+)/\s*\d+ \|(.*)")
+
+
+def logged(text: str, key: str) -> dict[int, float]:
+    out = {}
+    for it, rest in METRIC.findall(text):
+        m = re.search(rf"\| {re.escape(key)}: ([0-9.E+-]+)", "|" + rest)
+        if m:
+            out[int(it)] = float(m.group(1))
+    return out
+
+
+def megatron_run(out: str, name: str, entry: str, hf_dir: str, data: str, iters: int, *extra: str) -> dict:
+    from megatron_patch.tokenizer import TINY_TOKENIZER
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port",
+           str(29600 + hash(name) % 1000), "-m", f"megatron_patch.rlhf.{entry}", "--load-hf", hf_dir,
+           "--pref-data", data, "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", TINY_TOKENIZER,
+           "--seq-length", "64", "--micro-batch-size", "16", "--global-batch-size", "32", "--train-iters", str(iters),
+           "--lr-decay-style", "constant", "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "100000",
+           "--seed", "1234", "--make-vocab-size-divisible-by", "4", "--transformer-impl", "transformer_engine",
+           "--precision", "bf16", "--use-distributed-optimizer", *extra]
+    env = {**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1", "PYTHONPATH": ROOT + ":" + os.environ.get("PYTHONPATH", "")}
+    with open(os.path.join(out, f"{name}.log"), "w") as log:
+        p = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    text = open(os.path.join(out, f"{name}.log")).read()
+    times = [float(t) for t in re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+)", text)]
+    return {"rc": p.returncode, "text": text, "ms_per_iter": sorted(times)[len(times) // 2] if times else None}
+
+
+def mean(d: dict[int, float], its) -> float | None:
+    vals = [d[i] for i in its if i in d]
+    return round(sum(vals) / len(vals), 4) if vals else None
+
+
+def main() -> None:
+    out = sys.argv[1]
+    os.makedirs(out, exist_ok=True)
+    from megatron_patch.conversion.hf_io import copy_side_files
+    from megatron_patch.tokenizer import TINY_TOKENIZER
+    from tests.models import hf_model, save_hf
+    from tests.test_rlhf import preferences
+
+    hf_dir = os.path.join(out, "hf_start")
+    if not os.path.isdir(hf_dir):
+        save_hf(hf_model(MODEL), hf_dir)
+        copy_side_files(TINY_TOKENIZER, hf_dir, ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"])
+    prefs = os.path.join(out, "prefs.jsonl")
+    with open(prefs, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in preferences(4000, 0))
+    report = {"device": torch.cuda.get_device_name()}
+    rm = megatron_run(out, "rm", "reward_model", hf_dir, prefs, 50, "--lr", "1e-4")
+    acc, margin = logged(rm["text"], "accuracy"), logged(rm["text"], "margin")
+    report["reward_model"] = {"rc": rm["rc"], "ms_per_iter": rm["ms_per_iter"],
+                              "accuracy_1_5": mean(acc, range(1, 6)), "accuracy_last5": mean(acc, range(46, 51)),
+                              "margin_1_5": mean(margin, range(1, 6)), "margin_last5": mean(margin, range(46, 51))}
+    dpo = megatron_run(out, "dpo", "dpo", hf_dir, prefs, 50, "--lr", "1e-5", "--beta", "0.1")
+    acc, margin = logged(dpo["text"], "reward accuracy"), logged(dpo["text"], "reward margin")
+    report["dpo"] = {"rc": dpo["rc"], "ms_per_iter": dpo["ms_per_iter"], "accuracy_1": acc.get(1),
+                     "accuracy_last5": mean(acc, range(46, 51)), "margin_1": margin.get(1),
+                     "margin_last5": mean(margin, range(46, 51))}
+    prompts = os.path.join(out, "prompts.jsonl")
+    with open(prompts, "w") as f:
+        f.writelines(json.dumps({"prompt": p}) + "\n" for p in
+                     ["The module", "A list of", "When the function", "def f(x):", "The interpreter", "import os"])
+    cmd = [sys.executable, "-m", "megatron_patch.rlhf.grpo", "--hf-dir", hf_dir, "--prompts", prompts, "--reward",
+           "tests.test_rlhf:toy_reward", "--impl", "transformer_engine", "--dtype", "fp32", "--steps", "30",
+           "--prompts-per-step", "6", "--group-size", "16", "--max-new-tokens", "32", "--lr", "1e-4",
+           "--kl-coef", "0.01", "--out", os.path.join(out, "grpo_hf")]
+    env = {**os.environ, "PYTHONPATH": ROOT + ":" + os.environ.get("PYTHONPATH", "")}
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    with open(os.path.join(out, "grpo.log"), "w") as f:
+        f.write(p.stderr + p.stdout)
+    summary = json.loads(p.stdout.strip().splitlines()[-1]) if p.returncode == 0 else {}
+    report["grpo"] = {"rc": p.returncode, **{k: summary.get(k) for k in ("reward_first", "reward_last", "seconds")},
+                      "tail": p.stderr[-1500:] if p.returncode else ""}
+    for k in ("reward_model", "dpo"):
+        if report[k]["rc"]:
+            report[k]["tail"] = (rm if k == "reward_model" else dpo)["text"][-1500:]
+    with open(os.path.join(out, "rlhf_proof.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
