@@ -11,7 +11,9 @@ no pipeline of its own). Sequence log-probabilities sum the answer tokens (the p
 
 Loss per pair (sigmoid DPO): -log sigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r))), plus `--sft-weight` x
 the chosen answer's mean token NLL; averaged over the pairs of the global batch. Logged: `dpo loss`,
-`reward accuracy` (implicit reward of chosen > rejected), `reward margin`, `chosen logps`, `rejected logps`.
+`reward accuracy` (implicit reward of chosen > rejected), `reward margin`, `chosen nll` and `rejected nll`
+(the answers' summed negative log-probabilities: megatron.training prints only positive averages, so a
+negative margin, early on, is missing from its log line but not from the returned metrics).
 """
 
 from __future__ import annotations
@@ -89,8 +91,8 @@ def loss_func(loss_mask: torch.Tensor, reference: torch.Tensor, beta: float, sft
         return torch.cat([x.detach().sum().float().view(1), count])
 
     report = {"dpo loss": metric(loss), "reward accuracy": metric(chosen > rejected),
-              "reward margin": metric(chosen - rejected), "chosen logps": metric(logps[:, 0]),
-              "rejected logps": metric(logps[:, 1])}
+              "reward margin": metric(chosen - rejected), "chosen nll": metric(-logps[:, 0]),
+              "rejected nll": metric(-logps[:, 1])}
     return total, n, report
 
 

@@ -23,4 +23,4 @@ def test_reward_model_dpo_grpo_on_gpu(tmp_path):
     assert rm["rc"] == dpo["rc"] == grpo["rc"] == 0, report
     assert rm["accuracy_last5"] >= 0.9 and rm["margin_last5"] > rm["margin_1_5"]
     assert dpo["accuracy_last5"] >= 0.9 and dpo["margin_last5"] > 0.5
-    assert grpo["reward_last"] > grpo["reward_first"] + 0.2
+    assert grpo["reward_last"] > grpo["reward_first"] + 0.1
