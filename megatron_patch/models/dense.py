@@ -101,7 +101,6 @@ class DenseDecoder(ModelFamily):
     post_norms = False  # GLM-4-0414: RMSNorm on the attention and MLP outputs before the residual add
     embedding_norm = False  # Bloom: LayerNorm on the word embeddings
     remote_code = False  # no class in transformers: the config.json cannot be rebuilt from Megatron's
-    remote_code = False  # no class in transformers: the config.json cannot be rebuilt from Megatron's
     # config.json keys the family's transformers class defaults when a file omits them
     defaults: dict = {}
 
