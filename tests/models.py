@@ -66,6 +66,16 @@ FAMILY_VARIANTS: dict[str, dict] = {
     "glm4": _arch("Glm4ForCausalLM", "glm4", pad_token_id=0, attention_bias=True, partial_rotary_factor=0.5, mlp_bias=DROP),
     "glm4_mha": _arch("Glm4ForCausalLM", "glm4", pad_token_id=0, attention_bias=False, num_key_value_heads=8,
                       partial_rotary_factor=0.5, mlp_bias=DROP, rope_theta=10000.0),
+    # mixture of experts: 4 experts, top-2 (Mixtral renormalises the top-k weights)
+    "mixtral": _arch("MixtralForCausalLM", "mixtral", num_local_experts=4, num_experts_per_tok=2,
+                     sliding_window=None, attention_bias=DROP, mlp_bias=DROP),
+    # shared expert with its sigmoid gate, a dense first layer, softmax over all experts before the top-k
+    "qwen2_moe": _arch("Qwen2MoeForCausalLM", "qwen2_moe", num_experts=4, num_experts_per_tok=2, head_dim=DROP,
+                       moe_intermediate_size=32, shared_expert_intermediate_size=48, mlp_only_layers=[0],
+                       norm_topk_prob=False, use_sliding_window=False, attention_bias=DROP, mlp_bias=DROP),
+    # qk-norm, renormalised top-k, a dense last layer
+    "qwen3_moe": _arch("Qwen3MoeForCausalLM", "qwen3_moe", num_experts=4, num_experts_per_tok=2, head_dim=16,
+                       moe_intermediate_size=32, mlp_only_layers=[3], norm_topk_prob=True, mlp_bias=DROP),
 }
 
 
@@ -139,7 +149,23 @@ def case(variant: str) -> Case:
         return REMOTE_VARIANTS[variant]()
     cfg = any_config(variant)
     hf = hf_model(cfg)
-    return Case(cfg, hf.state_dict(), hf)
+    return Case(cfg, checkpoint_state_dict(hf), hf)
+
+
+def checkpoint_state_dict(hf) -> dict[str, torch.Tensor]:
+    """The tensors as a checkpoint stores them. transformers 5 holds mixture-of-experts weights fused
+    in memory (`experts.gate_up_proj`) and writes the per-expert names of released checkpoints, so
+    those models go through `save_pretrained`; the others' state dict is already what it writes."""
+    sd = hf.state_dict()
+    if not any(".experts." in k and "." not in k.rsplit(".experts.", 1)[1] for k in sd):
+        return sd
+    import tempfile
+
+    from megatron_patch.conversion.hf_io import read_all
+
+    with tempfile.TemporaryDirectory() as tmp:
+        hf.save_pretrained(tmp)
+        return read_all(tmp)
 
 
 def all_variants() -> list[str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping as MappingABC
 import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -41,20 +42,25 @@ class Placement(NamedTuple):
         """Unsharded `local` name with the global layer index (a TP=PP=1 model's state-dict key)."""
         return self.mapping.names(self.layer)[0]
 
-# Transformer Engine fuses the pre-attention / pre-MLP norms into the following linear layer.
+# Transformer Engine fuses the pre-attention / pre-MLP norms into the following linear layer (not the
+# pre-MLP norm of a mixture-of-experts layer: the router and experts are no LayerNorm-linear), and holds
+# the experts of a layer in one grouped GEMM whose weights are numbered `weight{expert}`.
 _TE_RENAMES = (
     (".input_layernorm.", ".self_attention.linear_qkv.layer_norm_"),
     (".pre_mlp_layernorm.", ".mlp.linear_fc1.layer_norm_"),
 )
+_TE_GROUPED_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)$")
 
 
 class ConversionError(ValueError):
     """A checkpoint does not match the weight map (missing, unexpected or inconsistent tensors)."""
 
 
-def to_impl_name(name: str, impl: Impl) -> str:
+def to_impl_name(name: str, impl: Impl, moe_layer: bool = False) -> str:
     """Canonical (`local`) Megatron parameter name -> the name in `impl`."""
     if impl == "transformer_engine":
+        if moe_layer:
+            return _TE_GROUPED_EXPERT.sub(r".mlp.experts.\2.\3\1", name)
         for a, b in _TE_RENAMES:
             name = name.replace(a, b)
     return name
@@ -103,9 +109,12 @@ class Plan:
         for m in self.mappings:
             if m.per_layer:
                 for layer in range(self.num_layers):
+                    if m.layers is not None and layer not in m.layers:
+                        continue  # e.g. expert tensors exist in mixture-of-experts layers only
                     stage, local = divmod(layer, self.layers_per_stage)
                     if stage in wanted:
-                        yield Placement(m, layer, stage, to_impl_name(m.megatron.format(layer=local), self.impl))
+                        name = to_impl_name(m.megatron.format(layer=local), self.impl, m.moe_layer)
+                        yield Placement(m, layer, stage, name)
                 continue
             stage = 0 if m.megatron.startswith("embedding.") else last
             if stage in wanted:

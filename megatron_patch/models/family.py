@@ -122,6 +122,11 @@ class ModelFamily:
     def layer_spec(self, hf_config: Any, impl: Impl):
         raise NotImplementedError
 
+    def decoder_spec(self, hf_config: Any, config, vp_stage: int | None = None):
+        """What `GPTModel` gets as `transformer_layer_spec`: one layer spec for every layer, or (families
+        whose layers differ, e.g. mixture-of-experts) a per-layer block spec built from `config`."""
+        return self.layer_spec(hf_config, config.transformer_impl)
+
     # ---- (c) weight map ---------------------------------------------------------------------
     def weight_map(self, hf_config: Any) -> list[Mapping | Drop]:
         raise NotImplementedError
@@ -238,7 +243,7 @@ def gpt_model(hf_config: Any, config, vocab_size: int, pre_process: bool, post_p
     family = get_family(hf_config)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=family.layer_spec(hf_config, config.transformer_impl),
+        transformer_layer_spec=family.decoder_spec(hf_config, config, gpt_kwargs.get("vp_stage")),
         vocab_size=vocab_size,
         max_sequence_length=family.max_sequence_length(hf_config),
         pre_process=pre_process,

@@ -39,6 +39,10 @@ class Mapping:
 
     megatron: str
     hf: tuple[str, ...]
+    # per-layer mappings: only these global layers (None: all), and whether those are mixture-of-experts
+    # layers (whose names Transformer Engine spells differently); set with `on_layers`
+    layers = None
+    moe_layer = False
 
     def to_megatron(self, hf: list[Tensor], s: Shapes) -> Tensor:
         """HF tensor(s) -> the unsharded (TP=1) Megatron tensor."""
@@ -63,6 +67,13 @@ class Mapping:
     @property
     def per_layer(self) -> bool:
         return "{layer}" in self.megatron
+
+
+def on_layers(m: "Mapping", layers, moe_layer: bool = False) -> "Mapping":
+    """`m` restricted to some layers (a frozen mapping: the attributes are set once, here)."""
+    object.__setattr__(m, "layers", frozenset(layers))
+    object.__setattr__(m, "moe_layer", moe_layer)
+    return m
 
 
 def _one(hf: str | tuple[str, ...]) -> tuple[str, ...]:

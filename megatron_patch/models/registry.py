@@ -32,6 +32,9 @@ _FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "falcon": ("megatron_patch.models.falcon", ("FalconForCausalLM", "RWForCausalLM")),
     "gpt_bigcode": ("megatron_patch.models.gpt_bigcode", ("GPTBigCodeForCausalLM",)),
     "chatglm": ("megatron_patch.models.glm:CHATGLM", ("ChatGLMModel", "ChatGLMForConditionalGeneration")),
+    "mixtral": ("megatron_patch.models.moe:MIXTRAL", ("MixtralForCausalLM",)),
+    "qwen2_moe": ("megatron_patch.models.moe:QWEN2_MOE", ("Qwen2MoeForCausalLM",)),
+    "qwen3_moe": ("megatron_patch.models.moe:QWEN3_MOE", ("Qwen3MoeForCausalLM",)),
 }
 _LOADED: dict[str, ModelFamily] = {}
 

@@ -91,6 +91,9 @@ class RewardFamily(ModelFamily):
     def layer_spec(self, hf_config: Any, impl):
         return self.base.layer_spec(hf_config, impl)
 
+    def decoder_spec(self, hf_config: Any, config, vp_stage: int | None = None):
+        return self.base.decoder_spec(hf_config, config, vp_stage)
+
     def max_sequence_length(self, hf_config: Any) -> int:
         return self.base.max_sequence_length(hf_config)
 
