@@ -78,7 +78,7 @@ def main() -> None:
                                           dtype=dtype).to(a.device).eval()
     sd = hf.state_dict()
     model = build_model(cfg, impl=a.impl, dtype=dtype, perform_initialization=False)
-    state = hf_to_megatron(make_plan(cfg, Layout(), a.impl), sd.__getitem__, sd.keys(), dtype)[(0, 0)]
+    state = hf_to_megatron(make_plan(cfg, Layout(), a.impl), sd.__getitem__, sd.keys(), dtype)[(0, 0, 0)]
     load_rank_state_dict(model, state)
     model.eval()
     rows = []

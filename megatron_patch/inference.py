@@ -15,26 +15,25 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def load_model(mcore_dir: str | None, hf_dir: str | None, tp: int = 1, pp: int = 1, impl: str | None = None,
-               dtype: torch.dtype = torch.float32):
+               dtype: torch.dtype = torch.float32, ep: int = 1):
     """(this rank's GPTModel, hf_config): a Megatron checkpoint as stored (its own implementation), or
     an HF folder converted in memory for this rank (`impl`, default local)."""
     if mcore_dir:
         from megatron_patch.conversion.mcore_io import load_megatron_model
 
-        return load_megatron_model(mcore_dir, tp, pp, impl, dtype)
-    from megatron.core import parallel_state as ps
-
+        return load_megatron_model(mcore_dir, tp, pp, impl, dtype, ep=ep)
     from megatron_patch.conversion.engine import hf_to_megatron, load_rank_state_dict, make_plan
     from megatron_patch.conversion.hf_io import HFCheckpoint
     from megatron_patch.models import Layout, build_model, load_hf_config
+    from megatron_patch.models.family import current_rank
 
     impl = impl or "local"
     cfg = load_hf_config(hf_dir)
-    model = build_model(cfg, tp, pp, impl=impl, dtype=dtype, perform_initialization=False)
-    rank = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank())
+    model = build_model(cfg, tp, pp, impl=impl, dtype=dtype, perform_initialization=False, ep=ep)
+    rank = current_rank()
     ckpt = HFCheckpoint(hf_dir)
-    state = hf_to_megatron(make_plan(cfg, Layout(tp, pp), impl), ckpt.get, ckpt.keys(), dtype, stages=[rank[1]],
-                           tp_ranks=[rank[0]])
+    state = hf_to_megatron(make_plan(cfg, Layout(tp, pp, ep=ep), impl), ckpt.get, ckpt.keys(), dtype,
+                           stages=[rank[1]], tp_ranks=[rank[0]], ep_ranks=[rank[2]])
     load_rank_state_dict(model, state[rank])
     return model.eval(), cfg
 
@@ -46,6 +45,7 @@ def add_model_args(parser) -> None:
     parser.add_argument("--tokenizer", help="tokenizer folder / model (default: the checkpoint's hf/ or --hf-dir)")
     parser.add_argument("--tp", type=int, default=1, help=">1 needs torchrun with TP x PP processes")
     parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=1, help="expert parallel (mixture-of-experts models)")
     parser.add_argument("--impl", choices=("local", "transformer_engine"),
                         help="model implementation (default: a Megatron checkpoint's own; local for --hf-dir)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
@@ -69,7 +69,7 @@ def model_and_tokenizer(args, before_loading=None):
                                                    else args.hf_dir))
     if before_loading is not None:
         before_loading(tokenizer)
-    model, cfg = load_model(args.mcore_dir, args.hf_dir, args.tp, args.pp, args.impl, DTYPES[args.dtype])
+    model, cfg = load_model(args.mcore_dir, args.hf_dir, args.tp, args.pp, args.impl, DTYPES[args.dtype], args.ep)
     vocab = get_family(cfg).shapes(cfg, Layout()).vocab_size
     if tokenizer.vocab_size > vocab:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is {vocab}")

@@ -135,7 +135,7 @@ def test_checkpoint_written_by_megatron_training(src, tmp_path, monkeypatch, fmt
     init_num_microbatches_calculator(0, None, global_batch_size=1, micro_batch_size=1, data_parallel_size=1)
     model = build_model(cfg)
     sd = ref
-    load_rank_state_dict(model, hf_to_megatron(make_plan(cfg), sd.__getitem__, sd.keys())[(0, 0)])
+    load_rank_state_dict(model, hf_to_megatron(make_plan(cfg), sd.__getitem__, sd.keys())[(0, 0, 0)])
     save_checkpoint(7, [model], None, None, 0)
     assert open(os.path.join(save_dir, "latest_checkpointed_iteration.txt")).read().strip() == "7"
     out = str(tmp_path / "exported")
@@ -159,7 +159,7 @@ def test_tensor_manifest_matches_what_was_written(src):
         assert back[name] == {"shape": list(t.shape), "dtype": "float32", "crc32": manifest.crc32(t)}
     leg = manifest.read(str(root / "m_leg"))
     ckpt = MegatronCheckpoint.open(str(root / "m_leg"))
-    stage1 = load_legacy_stage(ckpt.step_dir, 1, 2, 1)[(0, 1)]
+    stage1 = load_legacy_stage(ckpt.step_dir, 1, 2, 1)[(0, 1, 0)]
     for name, t in stage1.items():
         if not name.endswith("._extra_state"):
             assert leg[f"mp_rank_00_001/{name}"]["crc32"] == manifest.crc32(t), name

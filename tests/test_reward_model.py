@@ -41,7 +41,7 @@ def test_values_equal_hf_sequence_classification(cpu_megatron, variant):
     hf = hf_reward_model(cfg)
     sd = hf.state_dict()
     model = build_model(cfg)
-    load_rank_state_dict(model, hf_to_megatron(make_plan(cfg, Layout()), sd.__getitem__, sd.keys())[(0, 0)])
+    load_rank_state_dict(model, hf_to_megatron(make_plan(cfg, Layout()), sd.__getitem__, sd.keys())[(0, 0, 0)])
     ids, lengths = batch(cfg["vocab_size"], cfg["pad_token_id"])
     values = sequence_values(megatron_logits(model, ids, 1), lengths)
     with torch.no_grad():

@@ -67,7 +67,7 @@ def test_packed_logits_equal_each_document_alone(cpu_megatron, tok):
     hf = hf_model(cfg)
     sd = hf.state_dict()
     model = build_model(cfg).eval()
-    load_rank_state_dict(model, hf_to_megatron(make_plan(cfg, Layout()), sd.__getitem__, sd.keys())[(0, 0)])
+    load_rank_state_dict(model, hf_to_megatron(make_plan(cfg, Layout()), sd.__getitem__, sd.keys())[(0, 0, 0)])
     ds = PackedSFTDataset(conversations(8), tok, seq_length=128)
     x = ds[0]
     cu = x["cu_seqlens"][x["cu_seqlens"] >= 0].tolist()

@@ -18,7 +18,7 @@ def test_few_steps_forward_backward(cpu_megatron, variant):
     c = case(variant)
     ranks = hf_to_megatron(make_plan(c.cfg, Layout()), c.sd.__getitem__, c.sd.keys())
     model = build_model(c.cfg)
-    load_rank_state_dict(model, ranks[(0, 0)])
+    load_rank_state_dict(model, ranks[(0, 0, 0)])
     model.train()
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, c.vocab_size, (2, 33), generator=g)

@@ -137,7 +137,7 @@ def _write_megatron(plan: Plan, get: Callable[[str], Tensor], keys: list[str], t
 
 
 def _manifest(plan: Plan, fmt: str, dtype: torch.dtype, tmp: str) -> dict:
-    fields = dict(family=plan.family.name, impl=plan.impl, tp=plan.layout.tp, pp=plan.layout.pp,
+    fields = dict(family=plan.family.name, impl=plan.impl, tp=plan.layout.tp, pp=plan.layout.pp, ep=plan.layout.ep,
                   format=fmt, dtype=dtype_name(dtype), vocab_size=plan.shapes.vocab_size,
                   padded_vocab_size=plan.shapes.padded_vocab_size,
                   make_vocab_size_divisible_by=plan.layout.make_vocab_size_divisible_by)
@@ -147,12 +147,13 @@ def _manifest(plan: Plan, fmt: str, dtype: torch.dtype, tmp: str) -> dict:
 
 def hf_to_mcore(hf_dir: str, out: str, tp: int = 1, pp: int = 1, impl: str = "local",
                 dtype: str | None = None, make_vocab_size_divisible_by: int = 128,
-                overwrite: bool = False, fmt: str = "torch_dist") -> dict:
-    """HF folder -> Megatron checkpoint (torch_dist or legacy) + HF side files + manifest."""
+                overwrite: bool = False, fmt: str = "torch_dist", ep: int = 1) -> dict:
+    """HF folder -> Megatron checkpoint (torch_dist or legacy) + HF side files + manifest. torch_dist is
+    stored whole (megatron loads it at any layout); legacy is written per TP x PP x EP rank."""
     if not os.path.isdir(hf_dir):
         raise FileNotFoundError(f"HF folder {hf_dir} does not exist")
     hf_config = load_hf_config(hf_dir)
-    plan = make_plan(hf_config, Layout(tp, pp, make_vocab_size_divisible_by), impl, get_family(hf_config))
+    plan = make_plan(hf_config, Layout(tp, pp, make_vocab_size_divisible_by, ep), impl, get_family(hf_config))
     ckpt = HFCheckpoint(hf_dir)
     target = DTYPES[dtype] if dtype else ckpt.dtype()
     keys = ckpt.keys()
@@ -160,8 +161,8 @@ def hf_to_mcore(hf_dir: str, out: str, tp: int = 1, pp: int = 1, impl: str = "lo
 
     def run() -> dict:
         with atomic_output_dir(out, overwrite) as tmp:
-            # the legacy writer reads each stage once per TP rank (one rank file in memory)
-            meter = _Meter(len(keys) * (tp if fmt == "legacy" else 1), f"hf-to-mcore ({fmt})")
+            # the legacy writer reads each stage once per TP x EP rank (one rank file in memory)
+            meter = _Meter(len(keys) * (tp * ep if fmt == "legacy" else 1), f"hf-to-mcore ({fmt})")
             _write_megatron(plan, lambda k: meter.count(ckpt.get(k)), keys, tmp, fmt, target)
             os.makedirs(os.path.join(tmp, HF_SUBDIR))
             copy_side_files(hf_dir, os.path.join(tmp, HF_SUBDIR))
@@ -207,13 +208,13 @@ def mcore_to_hf(mcore_dir: str, out: str, dtype: str | None = None, max_shard_si
 def mcore_to_mcore(mcore_dir: str, out: str, tp: int | None = None, pp: int | None = None,
                    impl: str | None = None, fmt: str | None = None, dtype: str | None = None,
                    make_vocab_size_divisible_by: int | None = None, overwrite: bool = False,
-                   hf_config: str | None = None) -> dict:
+                   hf_config: str | None = None, ep: int | None = None) -> dict:
     """Megatron -> Megatron with another layout / naming / format / dtype, without an HF folder.
     Unset options keep the source's value. Streams: the writer pulls tensors from the source one
     Megatron tensor at a time (a legacy source holds one pipeline stage)."""
     src = MegatronCheckpoint.open(mcore_dir, hf_config)
     layout = Layout(tp or src.layout.tp, pp or src.layout.pp,
-                    make_vocab_size_divisible_by or src.layout.make_vocab_size_divisible_by)
+                    make_vocab_size_divisible_by or src.layout.make_vocab_size_divisible_by, ep or src.layout.ep)
     plan = make_plan(src.hf_config, layout, impl or src.impl)
     fmt = fmt or src.format
     target = DTYPES[dtype] if dtype else src.dtype

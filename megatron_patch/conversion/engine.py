@@ -1,9 +1,10 @@
-"""The conversion engine: HF state dict <-> per-rank megatron-core state dicts, any TP x PP.
+"""The conversion engine: HF state dict <-> per-rank megatron-core state dicts, any TP x PP x EP.
 
 Family files declare *what* maps to what (`megatron_patch.models.mappings`); everything about
 *where* a tensor goes lives here: global -> stage-local layer numbers, which pipeline stage holds
-the embedding / final norm / output layer, TP sharding, vocab padding, the `local` <->
-`transformer_engine` parameter naming, dtype, and the strict accounting of every key.
+the embedding / final norm / output layer, TP sharding, which expert-parallel rank holds an expert and
+its rank-local number, vocab padding, the `local` <-> `transformer_engine` parameter naming, dtype, and
+the strict accounting of every key.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from megatron_patch.models.family import IMPLS, Impl, Layout, ModelFamily
 from megatron_patch.models.mappings import Drop, Mapping, Shapes
 from megatron_patch.models.registry import get_family
 
-Rank = tuple[int, int]  # (tp_rank, pp_rank)
+Rank = tuple[int, int, int]  # (tp_rank, pp_rank, ep_rank)
 
 
 class Placement(NamedTuple):
@@ -32,6 +33,7 @@ class Placement(NamedTuple):
     stage: int
     name: str  # stage-local name in the plan's implementation naming
     copy: bool = False  # a duplicate (tied output layer on the last stage), not a source of HF tensors
+    ep: int | None = None  # the expert-parallel rank that holds it (an expert's tensor); None: every EP rank
 
     @property
     def hf_names(self) -> tuple[str, ...]:
@@ -92,9 +94,15 @@ class Plan:
     mappings: list[Mapping]
     drops: list[Drop]
 
+    num_experts: int = 0
+
     @property
     def layers_per_stage(self) -> int:
         return self.num_layers // self.layout.pp
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.num_experts // self.layout.ep if self.num_experts else 0
 
     def stage_of(self, m: Mapping) -> list[int]:
         """Pipeline stages that hold a non-layer tensor."""
@@ -102,19 +110,27 @@ class Plan:
             return [0]
         return [self.layout.pp - 1]
 
-    def placements(self, stages: Iterable[int] | None = None) -> Iterator[Placement]:
-        """Where every Megatron tensor goes, for the given pipeline stages (default: all)."""
+    def placements(self, stages: Iterable[int] | None = None,
+                   ep_ranks: Iterable[int] | None = None) -> Iterator[Placement]:
+        """Where every Megatron tensor goes, for the given pipeline stages and expert-parallel ranks
+        (default: all)."""
         wanted = set(range(self.layout.pp)) if stages is None else set(stages)
+        experts_on = set(range(self.layout.ep)) if ep_ranks is None else set(ep_ranks)
         last = self.layout.pp - 1
         for m in self.mappings:
             if m.per_layer:
+                ids, ep = {}, None
+                if m.expert is not None:  # global expert -> (EP rank, number on that rank)
+                    ep, ids["expert"] = divmod(m.expert, self.experts_per_rank)
+                    if ep not in experts_on:
+                        continue
                 for layer in range(self.num_layers):
                     if m.layers is not None and layer not in m.layers:
                         continue  # e.g. expert tensors exist in mixture-of-experts layers only
                     stage, local = divmod(layer, self.layers_per_stage)
                     if stage in wanted:
-                        name = to_impl_name(m.megatron.format(layer=local), self.impl, m.moe_layer)
-                        yield Placement(m, layer, stage, name)
+                        name = to_impl_name(m.megatron.format(layer=local, **ids), self.impl, m.moe_layer)
+                        yield Placement(m, layer, stage, name, ep=ep)
                 continue
             stage = 0 if m.megatron.startswith("embedding.") else last
             if stage in wanted:
@@ -126,8 +142,8 @@ class Plan:
     def hf_names(self) -> set[str]:
         return {h for pl in self.placements() for h in pl.hf_names}
 
-    def megatron_names(self, pp_rank: int) -> set[str]:
-        return {pl.name for pl in self.placements([pp_rank])}
+    def megatron_names(self, pp_rank: int, ep_rank: int = 0) -> set[str]:
+        return {pl.name for pl in self.placements([pp_rank], [ep_rank])}
 
     def is_dropped(self, hf_name: str) -> bool:
         for d in self.drops:
@@ -162,6 +178,7 @@ def make_plan(hf_config: Any, layout: Layout = Layout(), impl: Impl = "local",
         shapes=_with_groups(_with_padding(family.shapes(hf_config, layout), padded_vocab_size), num_query_groups,
                             layout),
         num_layers=int(family.config_kwargs(hf_config)["num_layers"]),
+        num_experts=int(family.config_kwargs(hf_config).get("num_moe_experts") or 0),
         tied=family.tied_embeddings(hf_config),
         mappings=[e for e in entries if isinstance(e, Mapping)],
         drops=[e for e in entries if isinstance(e, Drop)],
@@ -203,18 +220,23 @@ def check_hf_keys(plan: Plan, hf_keys: Iterable[str]) -> None:
 def hf_to_megatron(plan: Plan, get: Callable[[str], Tensor], hf_keys: Iterable[str],
                    dtype: torch.dtype | None = None, stages: Iterable[int] | None = None,
                    expected: MappingABC[str, tuple[int, ...]] | None = None,
-                   tp_ranks: Iterable[int] | None = None) -> dict[Rank, dict[str, Tensor]]:
-    """HF tensors (read by name through `get`) -> {(tp_rank, pp_rank): state dict} for `stages` and
-    `tp_ranks` (default all). `expected` (canonical name -> unsharded shape, e.g. a meta TP=PP=1
-    model's) turns a tensor that does not fit the config into an error naming the HF tensor."""
+                   tp_ranks: Iterable[int] | None = None,
+                   ep_ranks: Iterable[int] | None = None) -> dict[Rank, dict[str, Tensor]]:
+    """HF tensors (read by name through `get`) -> {(tp_rank, pp_rank, ep_rank): state dict} for
+    `stages`, `tp_ranks` and `ep_ranks` (default all; an EP rank holds its own experts, numbered from 0,
+    and the same copy of everything else). `expected` (canonical name -> unsharded shape, e.g. a meta
+    TP=PP=1 model's) turns a tensor that does not fit the config into an error naming the HF tensor."""
     check_hf_keys(plan, hf_keys)
     stages = list(range(plan.layout.pp)) if stages is None else list(stages)
     tp_ranks = list(range(plan.layout.tp)) if tp_ranks is None else list(tp_ranks)
-    out: dict[Rank, dict[str, Tensor]] = {(t, p): {} for t in tp_ranks for p in stages}
-    for pl in plan.placements(stages):
+    ep_ranks = list(range(plan.layout.ep)) if ep_ranks is None else list(ep_ranks)
+    out: dict[Rank, dict[str, Tensor]] = {(t, p, e): {} for t in tp_ranks for p in stages for e in ep_ranks}
+    for pl in plan.placements(stages, ep_ranks):
         shards = megatron_shards(plan, pl, [get(h) for h in pl.hf_names], dtype, expected)
         for t in tp_ranks:
-            out[(t, pl.stage)][pl.name] = _own(shards[t])
+            shard = _own(shards[t])
+            for e in ep_ranks if pl.ep is None else [pl.ep]:
+                out[(t, pl.stage, e)][pl.name] = shard
     return out
 
 
@@ -238,11 +260,11 @@ def megatron_shards(plan: Plan, pl: Placement, hf: list[Tensor], dtype: torch.dt
 
 def check_megatron_keys(plan: Plan, state_dicts: MappingABC[Rank, MappingABC[str, Tensor]]) -> None:
     """Each rank's parameters are exactly the plan's (TE `_extra_state` entries are not weights)."""
-    for (t, p), sd in state_dicts.items():
+    for (t, p, e), sd in state_dicts.items():
         have = {k for k in sd if not k.endswith("._extra_state")}
-        want = plan.megatron_names(p)
+        want = plan.megatron_names(p, e)
         if have != want:
-            parts = [f"rank tp={t} pp={p}"]
+            parts = [f"rank tp={t} pp={p}" + (f" ep={e}" if plan.layout.ep > 1 else "")]
             if want - have:
                 parts.append(f"missing Megatron parameters: {_names(want - have)}")
             if have - want:
@@ -252,12 +274,13 @@ def check_megatron_keys(plan: Plan, state_dicts: MappingABC[Rank, MappingABC[str
 
 def megatron_to_hf(plan: Plan, state_dicts: MappingABC[Rank, MappingABC[str, Tensor]],
                    dtype: torch.dtype | None = None, stages: Iterable[int] | None = None) -> dict[str, Tensor]:
-    """{(tp_rank, pp_rank): state dict} for `stages` (default all) -> those stages' HF tensors.
+    """{(tp_rank, pp_rank, ep_rank): state dict} for `stages` (default all) -> those stages' HF tensors.
     Strict: every rank's parameters are used."""
     stages = list(range(plan.layout.pp)) if stages is None else list(stages)
-    absent = [(t, p) for p in stages for t in range(plan.layout.tp) if (t, p) not in state_dicts]
+    absent = [(t, p, e) for p in stages for t in range(plan.layout.tp) for e in range(plan.layout.ep)
+              if (t, p, e) not in state_dicts]
     if absent:
-        raise ConversionError(f"missing state dicts for (tp_rank, pp_rank) {absent}")
+        raise ConversionError(f"missing state dicts for (tp_rank, pp_rank, ep_rank) {absent}")
     check_megatron_keys(plan, {r: sd for r, sd in state_dicts.items() if r[1] in stages})
     return placements_to_hf(plan, plan.placements(stages), state_dicts, dtype)
 
@@ -271,7 +294,8 @@ def placements_to_hf(plan: Plan, placements: Iterable[Placement],
         if pl.copy:
             continue
         m = pl.mapping
-        full = m.unshard([state_dicts[(t, pl.stage)][pl.name] for t in range(plan.layout.tp)], plan.shapes)
+        ep = pl.ep or 0  # a tensor every EP rank holds is read from EP rank 0
+        full = m.unshard([state_dicts[(t, pl.stage, ep)][pl.name] for t in range(plan.layout.tp)], plan.shapes)
         for h, tensor in zip(pl.hf_names, m.to_hf(full, plan.shapes)):
             out[h] = _own(tensor.to(dtype) if dtype is not None else tensor)
     return out

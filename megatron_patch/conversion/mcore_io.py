@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import itertools
 import json
 import os
 import re
@@ -73,7 +74,7 @@ HF_SUBDIR = "hf"
 TRACKER = "latest_checkpointed_iteration.txt"
 LEGACY_FILE = "model_optim_rng.pt"
 FORMATS = ("torch_dist", "legacy")
-_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
+_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -103,6 +104,8 @@ def checkpoint_args(plan: Plan, fmt: str) -> Namespace:
         max_position_embeddings=plan.family.max_sequence_length(plan.hf_config),
         tensor_model_parallel_size=plan.layout.tp,
         pipeline_model_parallel_size=plan.layout.pp,
+        expert_model_parallel_size=plan.layout.ep,
+        num_experts=plan.num_experts or None,
         make_vocab_size_divisible_by=plan.layout.make_vocab_size_divisible_by,
         padded_vocab_size=plan.shapes.padded_vocab_size,
         transformer_impl=plan.impl,
@@ -375,9 +378,10 @@ class TorchDistReader:
 # legacy (Megatron-LM per-rank files)
 
 
-def legacy_rank_dir(step_dir: str, tp_rank: int, pp_rank: int, pp: int) -> str:
+def legacy_rank_dir(step_dir: str, tp_rank: int, pp_rank: int, pp: int, ep_rank: int = 0, ep: int = 1) -> str:
+    """Megatron-LM's folder name: mp_rank_TT, + _PPP with pipeline parallelism, + _EEE with expert parallelism."""
     name = f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
-    return os.path.join(step_dir, name)
+    return os.path.join(step_dir, name + (f"_{ep_rank:03d}" if ep > 1 else ""))
 
 
 def save_legacy(plan: Plan, get: Callable[[str], Tensor], hf_keys: Iterable[str], out_dir: str,
@@ -388,11 +392,13 @@ def save_legacy(plan: Plan, get: Callable[[str], Tensor], hf_keys: Iterable[str]
     step_dir = os.path.join(out_dir, "release")
     args = checkpoint_args(plan, "legacy")
     expected = expected_shapes(plan)
-    for stage in range(plan.layout.pp):
+    lay = plan.layout
+    for stage in range(lay.pp):
         extra = dict.fromkeys(extra_state_names(plan, stage))
-        for tp_rank in range(plan.layout.tp):
-            sd = hf_to_megatron(plan, get, hf_keys, dtype, [stage], expected, [tp_rank])[(tp_rank, stage)]
-            folder = legacy_rank_dir(step_dir, tp_rank, stage, plan.layout.pp)
+        for tp_rank, ep_rank in itertools.product(range(lay.tp), range(lay.ep)):
+            sd = hf_to_megatron(plan, get, hf_keys, dtype, [stage], expected, [tp_rank], [ep_rank])[
+                (tp_rank, stage, ep_rank)]
+            folder = legacy_rank_dir(step_dir, tp_rank, stage, lay.pp, ep_rank, lay.ep)
             os.makedirs(folder)
             if log is not None:
                 for name, tensor in sd.items():
@@ -420,30 +426,37 @@ def load_legacy_file(path: str) -> dict:
         raise ConversionError(f"cannot read {path}: {e}") from None
 
 
-def legacy_layout(step_dir: str) -> tuple[int, int]:
-    """(TP, PP) from the rank folders; incomplete sets are an error naming the missing folders."""
+def legacy_layout(step_dir: str) -> tuple[int, int, int]:
+    """(TP, PP, EP) from the rank folders (`mp_rank_TT_NNN` is a pipeline or an expert rank: the stored
+    args say which); incomplete sets are an error naming the missing folders."""
     ranks = []
-    for name in os.listdir(step_dir):
+    for name in sorted(os.listdir(step_dir)):
         m = _RANK_DIR.match(name)
         if m:
-            ranks.append((int(m.group(1)), int(m.group(2)) if m.group(2) is not None else None))
+            ranks.append(tuple(int(g) if g is not None else None for g in m.groups()))
     if not ranks:
         raise ConversionError(f"{step_dir} has no mp_rank_* folders")
-    if len({p is None for _, p in ranks}) > 1:
-        raise ConversionError(f"{step_dir} mixes mp_rank_TT and mp_rank_TT_PPP folders")
-    tp = max(t for t, _ in ranks) + 1
-    pp = 1 if ranks[0][1] is None else max(p for _, p in ranks) + 1
-    missing = [os.path.basename(legacy_rank_dir(step_dir, t, p, pp))
-               for t in range(tp) for p in range(pp)
-               if not os.path.isfile(os.path.join(legacy_rank_dir(step_dir, t, p, pp), LEGACY_FILE))]
+    if len({sum(g is not None for g in r) for r in ranks}) > 1:
+        raise ConversionError(f"{step_dir} mixes mp_rank_TT, mp_rank_TT_NNN and mp_rank_TT_PPP_EEE folders")
+    tp, pp, ep = max(r[0] for r in ranks) + 1, 1, 1
+    if ranks[0][2] is not None:
+        pp, ep = max(r[1] for r in ranks) + 1, max(r[2] for r in ranks) + 1
+    elif ranks[0][1] is not None:
+        n = max(r[1] for r in ranks) + 1
+        args = load_legacy_file(os.path.join(step_dir, "mp_rank_00_000", LEGACY_FILE)).get("args")
+        pp, ep = (1, n) if int(getattr(args, "expert_model_parallel_size", 1) or 1) > 1 else (n, 1)
+    missing = [os.path.basename(legacy_rank_dir(step_dir, t, p, pp, e, ep))
+               for t in range(tp) for p in range(pp) for e in range(ep)
+               if not os.path.isfile(os.path.join(legacy_rank_dir(step_dir, t, p, pp, e, ep), LEGACY_FILE))]
     if missing:
         raise ConversionError(f"incomplete legacy checkpoint {step_dir}: no {LEGACY_FILE} in {', '.join(missing)}")
-    return tp, pp
+    return tp, pp, ep
 
 
-def load_legacy_stage(step_dir: str, tp: int, pp: int, stage: int) -> dict[Rank, dict[str, Tensor]]:
-    return {(t, stage): load_legacy_file(os.path.join(legacy_rank_dir(step_dir, t, stage, pp), LEGACY_FILE))["model"]
-            for t in range(tp)}
+def load_legacy_stage(step_dir: str, tp: int, pp: int, stage: int, ep: int = 1) -> dict[Rank, dict[str, Tensor]]:
+    return {(t, stage, e): load_legacy_file(os.path.join(legacy_rank_dir(step_dir, t, stage, pp, e, ep),
+                                                         LEGACY_FILE))["model"]
+            for t in range(tp) for e in range(ep)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -493,19 +506,20 @@ class MegatronCheckpoint:
             dtype, rows, args, qkv_rows = torch_dist_info(step_dir)
             tp = int(getattr(args, "tensor_model_parallel_size", 1))
             pp = int(getattr(args, "pipeline_model_parallel_size", 1))
+            ep = int(getattr(args, "expert_model_parallel_size", 1) or 1)
             impl = manifest.get("impl") or getattr(args, "transformer_impl", None) or "local"
         else:
-            tp, pp = legacy_layout(step_dir)
-            first = load_legacy_file(os.path.join(legacy_rank_dir(step_dir, 0, 0, pp), LEGACY_FILE))["model"]
+            tp, pp, ep = legacy_layout(step_dir)
+            first = load_legacy_file(os.path.join(legacy_rank_dir(step_dir, 0, 0, pp, 0, ep), LEGACY_FILE))["model"]
             emb = first.get("embedding.word_embeddings.weight")
             if emb is None:
-                raise ConversionError(f"{legacy_rank_dir(step_dir, 0, 0, pp)}: no embedding.word_embeddings.weight")
+                raise ConversionError(f"{legacy_rank_dir(step_dir, 0, 0, pp, 0, ep)}: no embedding.word_embeddings.weight")
             dtype, rows = emb.dtype, emb.shape[0] * tp
             qkv = first.get("decoder.layers.0.self_attention.linear_qkv.weight")
             qkv_rows = None if qkv is None else qkv.shape[0] * tp
             te = any(k.endswith(".layer_norm_weight") for k in first)
             impl = "transformer_engine" if te else "local"
-        return cls(path, step_dir, fmt, cfg, hf_side, impl, Layout(tp, pp, divisible_by), rows, dtype,
+        return cls(path, step_dir, fmt, cfg, hf_side, impl, Layout(tp, pp, divisible_by, ep), rows, dtype,
                    _query_groups(cfg, qkv_rows))
 
     def plan(self) -> Plan:
@@ -523,14 +537,14 @@ class MegatronCheckpoint:
             reader = TorchDistReader(plan, self.step_dir)
 
             def source(pl: Placement) -> dict[Rank, dict[str, Tensor]]:
-                return {(0, 0): reader.read([pl.name])}
+                return {(0, 0, 0): reader.read([pl.name])}
         else:
             stage_cache: dict[int, dict[Rank, dict[str, Tensor]]] = {}
 
             def source(pl: Placement) -> dict[Rank, dict[str, Tensor]]:
                 if pl.stage not in stage_cache:
                     stage_cache.clear()
-                    ranks = load_legacy_stage(self.step_dir, self.layout.tp, self.layout.pp, pl.stage)
+                    ranks = load_legacy_stage(self.step_dir, self.layout.tp, self.layout.pp, pl.stage, self.layout.ep)
                     check_megatron_keys(plan, ranks)
                     stage_cache[pl.stage] = ranks
                 return stage_cache[pl.stage]
@@ -556,10 +570,10 @@ class MegatronCheckpoint:
             reader = TorchDistReader(flat, self.step_dir)
             placements = {pl.name: pl for pl in flat.placements()}
             for names in reader.layer_groups():
-                yield placements_to_hf(flat, [placements[n] for n in names], {(0, 0): reader.read(names)}, dtype)
+                yield placements_to_hf(flat, [placements[n] for n in names], {(0, 0, 0): reader.read(names)}, dtype)
             return
         for stage in range(self.layout.pp):
-            ranks = load_legacy_stage(self.step_dir, self.layout.tp, self.layout.pp, stage)
+            ranks = load_legacy_stage(self.step_dir, self.layout.tp, self.layout.pp, stage, self.layout.ep)
             check_megatron_keys(plan, ranks)
             groups: dict[int | None, list] = {}
             for pl in plan.placements([stage]):
@@ -587,33 +601,34 @@ def read_manifest(ckpt_dir: str) -> dict:
 
 
 def load_megatron_model(ckpt_dir: str, tp: int = 1, pp: int = 1, impl: str | None = None,
-                        dtype: torch.dtype = torch.float32, hf_config: str | None = None):
+                        dtype: torch.dtype = torch.float32, hf_config: str | None = None, ep: int = 1):
     """Build this rank's `GPTModel` for a Megatron checkpoint and load its weights: torch_dist the
     way `megatron.training` does (through the model's sharded state dict, any layout); legacy
     through the engine (any layout). Returns (model, hf_config)."""
     from megatron.core import dist_checkpointing
-    from megatron.core import parallel_state as ps
 
     from megatron_patch.conversion.engine import load_rank_state_dict
+    from megatron_patch.models.family import current_rank
 
     ckpt = MegatronCheckpoint.open(ckpt_dir, hf_config)
     impl = impl or ckpt.impl
     if ckpt.format == "torch_dist" and impl != ckpt.impl:
         raise ValueError(f"{ckpt_dir} holds the {ckpt.impl} implementation's names; loading it as {impl} needs a "
                          f"conversion (toolkits.checkpoint_converter mcore-to-mcore --impl {impl})")
-    ensure_model_parallel(tp, pp)
+    ensure_model_parallel(tp, pp, ep)
     # torch_dist is loaded as stored (its kv-head replication included); legacy goes through HF tensors
     groups = {"num_query_groups": ckpt.num_query_groups} if ckpt.format == "torch_dist" else {}
     model = build_model(ckpt.hf_config, tp, pp, impl=impl, dtype=dtype,
-                        padded_vocab_size=ckpt.padded_vocab_size, perform_initialization=False, **groups)
+                        padded_vocab_size=ckpt.padded_vocab_size, perform_initialization=False, ep=ep, **groups)
     if ckpt.format == "torch_dist":
         loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, ckpt.step_dir)["model"]
         model.load_state_dict(loaded, strict=True)
     else:
         hf = {k: v for chunk in ckpt.hf_chunks() for k, v in chunk.items()}
-        plan = make_plan(ckpt.hf_config, Layout(tp, pp, ckpt.layout.make_vocab_size_divisible_by), impl,
+        plan = make_plan(ckpt.hf_config, Layout(tp, pp, ckpt.layout.make_vocab_size_divisible_by, ep), impl,
                          padded_vocab_size=ckpt.padded_vocab_size)
-        rank = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank())
-        mine = hf_to_megatron(plan, hf.__getitem__, hf.keys(), dtype, stages=[rank[1]])[rank]
+        rank = current_rank()
+        mine = hf_to_megatron(plan, hf.__getitem__, hf.keys(), dtype, stages=[rank[1]], tp_ranks=[rank[0]],
+                              ep_ranks=[rank[2]])[rank]
         load_rank_state_dict(model, mine)
     return model.eval(), ckpt.hf_config

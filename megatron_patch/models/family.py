@@ -75,6 +75,7 @@ class Layout:
     tp: int = 1
     pp: int = 1
     make_vocab_size_divisible_by: int = 128
+    ep: int = 1  # expert parallel: the experts of a mixture-of-experts layer split over EP ranks
 
     def check(self, num_layers: int, num_heads: int, num_query_groups: int) -> None:
         if self.tp < 1 or self.pp < 1:
@@ -84,6 +85,8 @@ class Layout:
         query_groups_for(num_query_groups, self.tp)
         if num_layers % self.pp:
             raise ValueError(f"PP={self.pp} does not divide the {num_layers} layers")
+        if self.ep < 1:
+            raise ValueError(f"EP must be >= 1 (got {self.ep})")
 
 
 class ModelFamily:
@@ -117,6 +120,12 @@ class ModelFamily:
 
     def check_layout(self, hf_config: Any, layout: Layout) -> None:
         self.shapes(hf_config, layout)
+        experts = self.config_kwargs(hf_config).get("num_moe_experts") or 0
+        if layout.ep > 1 and not experts:
+            raise ValueError(f"EP={layout.ep}: {self.name} has no experts to split (expert parallelism is for "
+                             "mixture-of-experts models)")
+        if experts and experts % layout.ep:
+            raise ValueError(f"EP={layout.ep} does not divide the {experts} experts")
 
     # ---- (b) layer spec ---------------------------------------------------------------------
     def layer_spec(self, hf_config: Any, impl: Impl):
@@ -192,8 +201,8 @@ def transformer_config(hf_config: Any, layout: Layout = Layout(), dtype: torch.d
 def build_model(hf_config: Any, tp: int = 1, pp: int = 1, impl: Impl = "local",
                 dtype: torch.dtype = torch.float32, make_vocab_size_divisible_by: int = 128,
                 padded_vocab_size: int | None = None, pre_process: bool | None = None,
-                post_process: bool | None = None, **config_overrides):
-    """The megatron-core `GPTModel` for this process's rank of a TP x PP layout.
+                post_process: bool | None = None, ep: int = 1, **config_overrides):
+    """The megatron-core `GPTModel` for this process's rank of a TP x PP (x EP) layout.
 
     Model parallelism must be initialised for TP x PP (`parallel_state.initialize_model_parallel`);
     for TP=PP=1 with nothing set up, a gloo world of one is created here. The embedding is padded
@@ -207,13 +216,14 @@ def build_model(hf_config: Any, tp: int = 1, pp: int = 1, impl: Impl = "local",
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     family = get_family(hf_config)
-    layout = Layout(tp, pp, make_vocab_size_divisible_by)
-    ensure_model_parallel(tp, pp)
-    if ps.get_tensor_model_parallel_world_size() != tp or ps.get_pipeline_model_parallel_world_size() != pp:
-        raise ValueError(
-            f"model parallelism is initialised as TP={ps.get_tensor_model_parallel_world_size()}, "
-            f"PP={ps.get_pipeline_model_parallel_world_size()} but TP={tp}, PP={pp} was asked for"
-        )
+    layout = Layout(tp, pp, make_vocab_size_divisible_by, ep)
+    family.check_layout(hf_config, layout)
+    ensure_model_parallel(tp, pp, ep)
+    have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+            ps.get_expert_model_parallel_world_size())
+    if have != (tp, pp, ep):
+        raise ValueError(f"model parallelism is initialised as TP={have[0]}, PP={have[1]}, EP={have[2]} but "
+                         f"TP={tp}, PP={pp}, EP={ep} was asked for")
     config = transformer_config(hf_config, layout, dtype, family,
                                 **{"transformer_impl": impl, **config_overrides})
     shapes = family.shapes(hf_config, layout)
@@ -254,7 +264,15 @@ def gpt_model(hf_config: Any, config, vocab_size: int, pre_process: bool, post_p
     return model
 
 
-def ensure_model_parallel(tp: int, pp: int) -> None:
+def current_rank() -> tuple[int, int, int]:
+    """This process's (tp_rank, pp_rank, ep_rank): the key of its state dict in the conversion engine."""
+    from megatron.core import parallel_state as ps
+
+    return (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
+            ps.get_expert_model_parallel_rank())
+
+
+def ensure_model_parallel(tp: int, pp: int, ep: int = 1) -> None:
     """Initialise a gloo world of one and TP=PP=1 model parallelism when nothing is set up yet
     (converter and verification tools; training sets up its own world). The RNG tracker is the
     inference one: these models only run forward passes."""
@@ -267,14 +285,15 @@ def ensure_model_parallel(tp: int, pp: int) -> None:
             if torch.cuda.is_available():
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-        elif tp * pp != 1:
-            raise RuntimeError(f"TP={tp} x PP={pp} needs {tp * pp} processes: run under torchrun "
-                               f"--nproc-per-node {tp * pp}")
+        elif tp * pp * ep != 1:
+            raise RuntimeError(f"TP={tp} x PP={pp} x EP={ep} needs at least {tp * pp * ep} processes: run under "
+                               f"torchrun --nproc-per-node {tp * pp * ep}")
         else:
             # an in-memory store: no port, nothing inherited by child processes
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     if not ps.model_parallel_is_initialized():
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                     expert_model_parallel_size=ep)
         model_parallel_cuda_manual_seed(0, inference_rng_tracker=True, force_reset_rng=True)

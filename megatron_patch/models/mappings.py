@@ -39,10 +39,13 @@ class Mapping:
 
     megatron: str
     hf: tuple[str, ...]
-    # per-layer mappings: only these global layers (None: all), and whether those are mixture-of-experts
-    # layers (whose names Transformer Engine spells differently); set with `on_layers`
+    # per-layer mappings: only these global layers (None: all), whether those are mixture-of-experts
+    # layers (whose names Transformer Engine spells differently), and the global index of the expert
+    # whose tensor this is (its Megatron name has an `{expert}` slot for the index local to an
+    # expert-parallel rank; the engine fills it); set with `on_layers`
     layers = None
     moe_layer = False
+    expert = None
 
     def to_megatron(self, hf: list[Tensor], s: Shapes) -> Tensor:
         """HF tensor(s) -> the unsharded (TP=1) Megatron tensor."""
@@ -60,19 +63,22 @@ class Mapping:
         return shards[0]
 
     def names(self, layer: int | None) -> tuple[str, tuple[str, ...]]:
+        """(Megatron name, HF names) with the global layer (and expert) index."""
         if layer is None:
             return self.megatron, self.hf
-        return self.megatron.format(layer=layer), tuple(h.format(layer=layer) for h in self.hf)
+        ids = {"layer": layer} if self.expert is None else {"layer": layer, "expert": self.expert}
+        return self.megatron.format(**ids), tuple(h.format(layer=layer) for h in self.hf)
 
     @property
     def per_layer(self) -> bool:
         return "{layer}" in self.megatron
 
 
-def on_layers(m: "Mapping", layers, moe_layer: bool = False) -> "Mapping":
+def on_layers(m: "Mapping", layers, moe_layer: bool = False, expert: int | None = None) -> "Mapping":
     """`m` restricted to some layers (a frozen mapping: the attributes are set once, here)."""
     object.__setattr__(m, "layers", frozenset(layers))
     object.__setattr__(m, "moe_layer", moe_layer)
+    object.__setattr__(m, "expert", expert)
     return m
 
 

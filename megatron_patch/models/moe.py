@@ -106,15 +106,15 @@ class MoEDecoder(DenseDecoder):
                 m = on_layers(m, dense)
             out.append(m)
 
-        def moe(mapping: Mapping) -> None:
-            out.append(on_layers(mapping, sparse, moe_layer=True))
+        def moe(mapping: Mapping, expert: int | None = None) -> None:
+            out.append(on_layers(mapping, sparse, moe_layer=True, expert=expert))
 
         moe(Replicated(f"{hf}{e.router}.weight", f"{mc}mlp.router.weight"))
+        dst = f"{mc}mlp.experts.local_experts.{{expert}}."  # the engine numbers experts per EP rank
         for j in range(self.num_experts(c)):
             src = hf + e.expert.format(expert=j)
-            dst = f"{mc}mlp.experts.local_experts.{j}."
-            moe(GatedMLP(f"{src}{e.gate}.weight", f"{src}{e.up}.weight", f"{dst}linear_fc1.weight"))
-            moe(RowParallel(f"{src}{e.down}.weight", f"{dst}linear_fc2.weight"))
+            moe(GatedMLP(f"{src}{e.gate}.weight", f"{src}{e.up}.weight", f"{dst}linear_fc1.weight"), j)
+            moe(RowParallel(f"{src}{e.down}.weight", f"{dst}linear_fc2.weight"), j)
         if self.shared_expert:
             src, dst = hf + e.shared, f"{mc}mlp.shared_experts."
             moe(GatedMLP(f"{src}{e.gate}.weight", f"{src}{e.up}.weight", f"{dst}linear_fc1.weight"))

@@ -103,7 +103,7 @@ def save_hf(model, cfg: dict, tokenizer_dir: str, out: str, tp: int) -> None:
     if dist.is_initialized() and dist.get_rank() != 0:
         return
     hf = megatron_to_hf(make_plan(cfg, Layout(tp, 1), model.config.transformer_impl),
-                        {(t, 0): sd for t, sd in enumerate(states)})
+                        {(t, 0, 0): sd for t, sd in enumerate(states)})
     tmp = out + ".partial"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)

@@ -51,21 +51,20 @@ def load_hf_weights(model, hf_dir: str, hf_config: Any, args) -> None:
     """Fill this rank's freshly built model from an HF checkpoint: only the tensors of this rank's
     pipeline stage are read (one at a time, positioned reads), and this TP rank keeps its slice. A reward
     model may start from a causal LM: its backbone is read and the scalar head keeps its initialisation."""
-    from megatron.core import parallel_state as ps
-
     from megatron_patch.conversion.engine import hf_to_megatron, load_rank_state_dict, make_plan
     from megatron_patch.conversion.hf_io import HFCheckpoint
     from megatron_patch.models import load_hf_config
+    from megatron_patch.models.family import current_rank
     from megatron_patch.models.reward import SCORE, is_reward_config
 
     layout = Layout(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                    args.make_vocab_size_divisible_by)
+                    args.make_vocab_size_divisible_by, args.expert_model_parallel_size)
     ckpt = HFCheckpoint(hf_dir)
     fresh_head = is_reward_config(hf_config) and SCORE not in ckpt.keys()
     source = load_hf_config(hf_dir) if fresh_head else hf_config
     plan = make_plan(source, layout, args.transformer_impl, padded_vocab_size=args.padded_vocab_size)
-    rank = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank())
-    state = hf_to_megatron(plan, ckpt.get, ckpt.keys(), stages=[rank[1]], tp_ranks=[rank[0]])[rank]
+    rank = current_rank()
+    state = hf_to_megatron(plan, ckpt.get, ckpt.keys(), stages=[rank[1]], tp_ranks=[rank[0]], ep_ranks=[rank[2]])[rank]
     if fresh_head:
         state.pop("output_layer.weight", None)
         if model.post_process:

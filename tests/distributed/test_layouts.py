@@ -1,6 +1,7 @@
 """TP=2, PP=2 and TP2xPP2 (gloo, 4 processes) give the same logits as TP=1 and as the transformers
 reference (<= 1e-5), for at least two configs of every family — one kv head (LLaMA MQA, Falcon-7B,
-StarCoder) included, replicated to two query groups at TP=2.
+StarCoder) included, replicated to two query groups at TP=2; the mixture-of-experts families also at
+EP=2, TP2xEP2 and PP2xEP2 (each EP rank loads only its experts, numbered from 0).
 
 One spawned world runs every config: the model-parallel groups are initialised once per layout
 (re-initialising gloo groups is the slow part, and 32 re-initialisations in one world have hung on
@@ -25,27 +26,30 @@ VARIANTS = [
     "baichuan_13b", "baichuan2_13b", "falcon_7b", "falcon_40b", "falcon_11b", "falcon_seq",
     "mixtral", "qwen2_moe", "qwen3_moe",
 ]
-LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
+MOE_VARIANTS = ["mixtral", "qwen2_moe", "qwen3_moe"]
+LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2), (2, 1, 2), (1, 2, 2)]  # (tp, pp, ep)
 
 
 def _check_layouts(rank: int, data_path: str) -> dict:
-    from megatron.core import parallel_state as ps
-
     from megatron_patch.conversion.engine import hf_to_megatron, load_rank_state_dict, make_plan
     from megatron_patch.conversion.verify import megatron_logits
     from megatron_patch.models import Layout, build_model
+    from megatron_patch.models.family import current_rank
 
     data = torch.load(data_path, weights_only=False)
     results = {}
-    for tp, pp in LAYOUTS:
-        _cpu.init_model_parallel(tp, pp)
+    for tp, pp, ep in LAYOUTS:
+        _cpu.init_model_parallel(tp, pp, ep=ep)
+        me = current_rank()
         for variant, (cfg, sd, ids, ref) in data.items():
-            plan = make_plan(cfg, Layout(tp, pp))
-            ranks = hf_to_megatron(plan, sd.__getitem__, sd.keys())
-            model = build_model(cfg, tp, pp).eval()
-            mine = ranks[(ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank())]
+            if ep > 1 and variant not in MOE_VARIANTS:
+                continue
+            plan = make_plan(cfg, Layout(tp, pp, ep=ep))
+            mine = hf_to_megatron(plan, sd.__getitem__, sd.keys(), stages=[me[1]], tp_ranks=[me[0]],
+                                  ep_ranks=[me[2]])[me]
+            model = build_model(cfg, tp, pp, ep=ep).eval()
             load_rank_state_dict(model, mine)
-            results[(variant, tp, pp)] = megatron_logits(model, ids, ref.shape[-1])
+            results[(variant, tp, pp, ep)] = megatron_logits(model, ids, ref.shape[-1])
     return results
 
 
@@ -64,13 +68,15 @@ def _world() -> tuple[dict, list]:
         return data, _cpu.run_world(4, _check_layouts, path)
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("tp,pp", LAYOUTS)
-def test_layout_matches_tp1_and_hf(cpu_megatron, variant, tp, pp):
+CASES = [(v, *lay) for lay in LAYOUTS for v in VARIANTS if lay[2] == 1 or v in MOE_VARIANTS]
+
+
+@pytest.mark.parametrize("variant,tp,pp,ep", CASES)
+def test_layout_matches_tp1_and_hf(cpu_megatron, variant, tp, pp, ep):
     data, per_rank = _world()
     ref = data[variant][3]
-    tp1 = per_rank[0][(variant, 1, 1)]
+    tp1 = per_rank[0][(variant, 1, 1, 1)]
     for rank, results in enumerate(per_rank):
-        out = results[(variant, tp, pp)]
+        out = results[(variant, tp, pp, ep)]
         assert (out - tp1).abs().max().item() <= 1e-5, f"rank {rank} vs TP1"
         assert (out - ref).abs().max().item() <= 1e-5, f"rank {rank} vs HF"

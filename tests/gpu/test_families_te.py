@@ -31,7 +31,7 @@ def _logits(c, impl, dtype, ids):
 
     ranks = hf_to_megatron(make_plan(c.cfg, Layout(), impl), c.sd.__getitem__, c.sd.keys())
     model = build_model(c.cfg, impl=impl, dtype=dtype).eval()
-    load_rank_state_dict(model, ranks[(0, 0)])
+    load_rank_state_dict(model, ranks[(0, 0, 0)])
     return megatron_logits(model, ids, c.vocab_size), model
 
 

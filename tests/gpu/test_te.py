@@ -58,7 +58,7 @@ def test_te_spec_matches_hf_and_local(world, dtype):
     for impl in ("local", "transformer_engine"):
         ranks = hf_to_megatron(make_plan(cfg, Layout(), impl), sd.__getitem__, sd.keys())
         model = build_model(cfg, impl=impl, dtype=dtype).eval()
-        load_rank_state_dict(model, ranks[(0, 0)])
+        load_rank_state_dict(model, ranks[(0, 0, 0)])
         logits[impl] = megatron_logits(model, ids, cfg["vocab_size"])
     te_vs_hf = compare(ref, logits["transformer_engine"])
     local_vs_hf = compare(ref, logits["local"])

@@ -15,7 +15,7 @@ def test_logits_match_transformers(cpu_megatron, variant):
     c = case(variant)
     ranks = hf_to_megatron(make_plan(c.cfg, Layout()), c.sd.__getitem__, c.sd.keys())
     model = build_model(c.cfg).eval()
-    load_rank_state_dict(model, ranks[(0, 0)])
+    load_rank_state_dict(model, ranks[(0, 0, 0)])
     ids = fixed_prompts(c.vocab_size, batch=3, seq=48)
     with torch.no_grad():
         ref = c.ref(ids).logits

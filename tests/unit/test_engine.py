@@ -20,7 +20,7 @@ def test_round_trip_bitwise(tiny, tp, pp, impl):
     cfg, sd = tiny
     plan = make_plan(cfg, Layout(tp, pp), impl)
     ranks = hf_to_megatron(plan, sd.__getitem__, sd.keys())
-    assert set(ranks) == {(t, p) for t in range(tp) for p in range(pp)}
+    assert set(ranks) == {(t, p, 0) for t in range(tp) for p in range(pp)}
     back = megatron_to_hf(plan, ranks)
     assert set(back) == set(sd)
     for k in sd:
@@ -30,7 +30,7 @@ def test_round_trip_bitwise(tiny, tp, pp, impl):
 def test_stage_layout(tiny):
     cfg, sd = tiny
     ranks = hf_to_megatron(make_plan(cfg, Layout(2, 2)), sd.__getitem__, sd.keys())
-    first, last = ranks[(1, 0)], ranks[(1, 1)]
+    first, last = ranks[(1, 0, 0)], ranks[(1, 1, 0)]
     assert "embedding.word_embeddings.weight" in first and "output_layer.weight" not in first
     assert "decoder.final_layernorm.weight" in last and "embedding.word_embeddings.weight" not in last
     # global layers 2,3 are local layers 0,1 of stage 1
@@ -62,7 +62,7 @@ def test_tied_embeddings_with_pp_copy_to_last_stage():
     sd = {k: v for k, v in sd.items() if k != "lm_head.weight"}  # as save_pretrained writes it
     plan = make_plan(cfg, Layout(1, 2))
     ranks = hf_to_megatron(plan, sd.__getitem__, sd.keys())
-    assert torch.equal(ranks[(0, 1)]["output_layer.weight"], ranks[(0, 0)]["embedding.word_embeddings.weight"])
+    assert torch.equal(ranks[(0, 1, 0)]["output_layer.weight"], ranks[(0, 0, 0)]["embedding.word_embeddings.weight"])
     assert set(megatron_to_hf(plan, ranks)) == set(sd)
 
 
@@ -79,7 +79,7 @@ def test_strict_missing_and_unexpected(tiny):
     dropped = {**sd, "model.layers.0.self_attn.rotary_emb.inv_freq": torch.zeros(4)}
     hf_to_megatron(plan, dropped.__getitem__, dropped.keys())
     ranks = hf_to_megatron(plan, sd.__getitem__, sd.keys())
-    del ranks[(0, 0)]["decoder.layers.0.mlp.linear_fc2.bias"]
+    del ranks[(0, 0, 0)]["decoder.layers.0.mlp.linear_fc2.bias"]
     with pytest.raises(ConversionError, match="missing Megatron parameters: decoder.layers.0.mlp.linear_fc2.bias"):
         megatron_to_hf(plan, ranks)
 
@@ -104,7 +104,7 @@ def test_kv_heads_replicated_when_tp_exceeds_them(variant, tp):
     assert plan.shapes.num_query_groups == tp and plan.shapes.kv_replicas == tp // cfg["num_key_value_heads"]
     ranks = hf_to_megatron(plan, sd.__getitem__, sd.keys())
     d, per_rank_q = cfg["head_dim"], cfg["num_attention_heads"] // tp * cfg["head_dim"]
-    k_of = [ranks[(t, 0)]["decoder.layers.0.self_attention.linear_qkv.weight"][per_rank_q: per_rank_q + d]
+    k_of = [ranks[(t, 0, 0)]["decoder.layers.0.self_attention.linear_qkv.weight"][per_rank_q: per_rank_q + d]
             for t in range(tp)]
     groups, r = cfg["num_key_value_heads"], tp // cfg["num_key_value_heads"]
     k_hf = sd["model.layers.0.self_attn.k_proj.weight"].view(groups, d, -1)
@@ -112,7 +112,7 @@ def test_kv_heads_replicated_when_tp_exceeds_them(variant, tp):
         assert torch.equal(k_of[t], k_hf[t // r])
     back = megatron_to_hf(plan, ranks)
     assert all(torch.equal(back[k], sd[k]) for k in sd)
-    ranks[(1, 0)]["decoder.layers.0.self_attention.linear_qkv.weight"][per_rank_q] += 1.0
+    ranks[(1, 0, 0)]["decoder.layers.0.self_attention.linear_qkv.weight"][per_rank_q] += 1.0
     with pytest.raises(ValueError, match="copies of each kv head"):
         megatron_to_hf(plan, ranks)
 
@@ -120,4 +120,4 @@ def test_kv_heads_replicated_when_tp_exceeds_them(variant, tp):
 def test_dtype_cast(tiny):
     cfg, sd = tiny
     ranks = hf_to_megatron(make_plan(cfg, Layout()), sd.__getitem__, sd.keys(), torch.bfloat16)
-    assert all(t.dtype == torch.bfloat16 for t in ranks[(0, 0)].values())
+    assert all(t.dtype == torch.bfloat16 for t in ranks[(0, 0, 0)].values())

@@ -31,6 +31,8 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--out", required=True)
     a.add_argument("--tp", "--tensor-model-parallel-size", dest="tp", type=int, default=1)
     a.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", type=int, default=1)
+    a.add_argument("--ep", "--expert-model-parallel-size", dest="ep", type=int, default=1,
+                   help="expert parallel ranks of a mixture-of-experts model (legacy format's rank files)")
     a.add_argument("--impl", "--transformer-impl", dest="impl", choices=["local", "transformer_engine"],
                    default="local")
     a.add_argument("--dtype", choices=sorted(DTYPES), help="default: the checkpoint's own")
@@ -51,6 +53,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--out", required=True)
     c.add_argument("--tp", "--tensor-model-parallel-size", dest="tp", type=int, help="default: the source's")
     c.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", type=int, help="default: the source's")
+    c.add_argument("--ep", "--expert-model-parallel-size", dest="ep", type=int, help="default: the source's")
     c.add_argument("--impl", "--transformer-impl", dest="impl", choices=["local", "transformer_engine"])
     c.add_argument("--format", "--ckpt-format", dest="format", choices=FORMATS)
     c.add_argument("--dtype", choices=sorted(DTYPES))
@@ -81,13 +84,14 @@ def main(argv: list[str] | None = None) -> int:
     def work() -> dict:
         if args.command == "hf-to-mcore":
             return hf_to_mcore(args.hf_dir, args.out, args.tp, args.pp, args.impl, args.dtype,
-                               args.make_vocab_size_divisible_by, args.overwrite, args.format)
+                               args.make_vocab_size_divisible_by, args.overwrite, args.format, args.ep)
         if args.command == "mcore-to-hf":
             return mcore_to_hf(args.mcore_dir, args.out, args.dtype, parse_size(args.max_shard_size),
                                args.overwrite, args.hf_config)
         if args.command == "mcore-to-mcore":
             return mcore_to_mcore(args.mcore_dir, args.out, args.tp, args.pp, args.impl, args.format,
-                                  args.dtype, args.make_vocab_size_divisible_by, args.overwrite, args.hf_config)
+                                  args.dtype, args.make_vocab_size_divisible_by, args.overwrite, args.hf_config,
+                                  args.ep)
         from megatron_patch.conversion.verify import verify
 
         return verify(args.hf_dir, args.mcore_dir, args.tp, args.pp, DTYPES[args.dtype], args.tolerance,

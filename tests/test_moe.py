@@ -1,0 +1,109 @@
+"""Mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE): the router picks the same experts as
+transformers, conversion at TP x PP x EP is bitwise both ways (local and TE grouped-GEMM naming), each EP
+rank holds its experts numbered from 0, the legacy format's per-EP-rank folders round-trip through the
+CLI, and bad layouts are refused. (EP=2 logits = EP=1 = HF: tests/distributed/test_layouts.py.)"""
+
+import os
+
+import pytest
+import torch
+
+from megatron_patch.conversion.engine import hf_to_megatron, load_rank_state_dict, make_plan, megatron_to_hf
+from megatron_patch.conversion.hf_io import read_all
+from megatron_patch.models import Layout, build_model
+from tests.models import case, save_case
+from toolkits.checkpoint_converter.__main__ import main
+
+MOE = ["mixtral", "qwen2_moe", "qwen3_moe"]
+
+
+@pytest.mark.parametrize("variant", MOE)
+def test_router_picks_the_same_experts_as_transformers(cpu_megatron, variant):
+    from megatron_patch.conversion.verify import fixed_prompts, megatron_logits
+
+    c = case(variant)
+    model = build_model(c.cfg).eval()
+    load_rank_state_dict(model, hf_to_megatron(make_plan(c.cfg), c.sd.__getitem__, c.sd.keys())[(0, 0, 0)])
+    ours = {}
+
+    def keep(layer):
+        def hook(module, args, out):
+            ours[layer] = out[1].float()  # routing map [tokens, experts]: True where an expert is chosen
+        return hook
+
+    for i, layer in enumerate(model.decoder.layers):
+        if hasattr(layer.mlp, "router"):
+            layer.mlp.router.register_forward_hook(keep(i))
+    ids = fixed_prompts(c.vocab_size, batch=2, seq=24)
+    megatron_logits(model, ids, c.vocab_size)
+    with torch.no_grad():
+        ref = c.ref(ids, output_router_logits=True)
+    theirs = {}
+    sparse = sorted(ours)
+    assert sparse and len(ref.router_logits) >= len(sparse)
+    for i, logits in zip(sparse, [r for r in ref.router_logits if r is not None][-len(sparse):]):
+        k = c.cfg["num_experts_per_tok"]
+        top = logits.float().view(-1, logits.shape[-1]).topk(k, dim=-1).indices
+        theirs[i] = torch.zeros_like(ours[i]).scatter_(1, top, 1.0)
+    # megatron routes [s, b] tokens, HF [b, s]
+    for i in sparse:
+        b, s = ids.shape
+        mine = ours[i].view(s, b, -1).transpose(0, 1).reshape(b * s, -1)
+        assert torch.equal(mine, theirs[i]), f"{variant} layer {i}: different experts chosen"
+
+
+@pytest.mark.parametrize("impl", ["local", "transformer_engine"])
+@pytest.mark.parametrize("tp,pp,ep", [(1, 1, 2), (2, 1, 2), (1, 2, 2), (2, 2, 2), (1, 1, 4)])
+@pytest.mark.parametrize("variant", MOE)
+def test_round_trip_with_expert_parallel_bitwise(variant, tp, pp, ep, impl):
+    c = case(variant)
+    plan = make_plan(c.cfg, Layout(tp, pp, ep=ep), impl)
+    ranks = hf_to_megatron(plan, c.sd.__getitem__, c.sd.keys())
+    assert set(ranks) == {(t, p, e) for t in range(tp) for p in range(pp) for e in range(ep)}
+    back = megatron_to_hf(plan, ranks)
+    tied = {k for k in c.sd if plan.is_dropped(k)}
+    assert set(back) == set(c.sd) - tied
+    assert all(torch.equal(back[k], c.sd[k]) for k in back)
+
+
+def test_expert_parallel_ranks_hold_their_experts_numbered_from_zero():
+    c = case("mixtral")  # 4 experts: EP rank 1 of 2 holds experts 2 and 3 as local 0 and 1
+    for impl, name in (("local", "decoder.layers.0.mlp.experts.local_experts.{j}.linear_fc2.weight"),
+                       ("transformer_engine", "decoder.layers.0.mlp.experts.linear_fc2.weight{j}")):
+        ranks = hf_to_megatron(make_plan(c.cfg, Layout(ep=2), impl), c.sd.__getitem__, c.sd.keys())
+        for ep, (first, second) in enumerate(((0, 1), (2, 3))):
+            sd = ranks[(0, 0, ep)]
+            assert {k for k in sd if "experts" in k and "fc2" in k and k.startswith("decoder.layers.0.")} == {
+                name.format(j=0), name.format(j=1)}
+            for local, glob in ((0, first), (1, second)):
+                hf = c.sd[f"model.layers.0.block_sparse_moe.experts.{glob}.w2.weight"]
+                assert torch.equal(sd[name.format(j=local)], hf)
+            # everything that is not an expert is the same on every EP rank
+            assert torch.equal(sd["decoder.layers.0.mlp.router.weight"], ranks[(0, 0, 0)]["decoder.layers.0.mlp.router.weight"])
+
+
+@pytest.mark.parametrize("variant,tp,pp,ep", [("mixtral", 1, 1, 2), ("qwen2_moe", 2, 2, 2), ("qwen3_moe", 1, 2, 2)])
+def test_legacy_checkpoint_per_expert_rank_round_trip(cpu_megatron, tmp_path, variant, tp, pp, ep):
+    c = case(variant)
+    hf_dir = save_case(c, str(tmp_path / "hf"))
+    mc = str(tmp_path / "mc")
+    assert main(["hf-to-mcore", "--hf-dir", hf_dir, "--out", mc, "--format", "legacy", "--tp", str(tp), "--pp", str(pp),
+                 "--ep", str(ep)]) == 0
+    folders = sorted(d for d in os.listdir(os.path.join(mc, "release")) if d.startswith("mp_rank_"))
+    assert len(folders) == tp * pp * ep and folders[-1].endswith(f"_{ep - 1:03d}")
+    # to another layout (EP=1, TE naming) and back to HF: bitwise
+    mc2 = str(tmp_path / "mc2")
+    assert main(["mcore-to-mcore", "--mcore-dir", mc, "--out", mc2, "--ep", "1", "--tp", "1", "--pp", "1",
+                 "--impl", "transformer_engine"]) == 0
+    back = str(tmp_path / "back")
+    assert main(["mcore-to-hf", "--mcore-dir", mc2, "--out", back]) == 0
+    a, b = read_all(hf_dir), read_all(back)
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_bad_expert_layouts():
+    c = case("mixtral")
+    with pytest.raises(ValueError, match="EP=3 does not divide the 4 experts"):
+        make_plan(c.cfg, Layout(ep=3))
+    with pytest.raises(ValueError, match="no experts to split"):
+        make_plan(case("gqa").cfg, Layout(ep=2))
