@@ -68,7 +68,14 @@ def architecture_args(hf_config: Any) -> dict:
     )
     if gk.get("rope_scaling"):
         out.update(use_rope_scaling=True, rope_scaling_factor=gk["rope_scaling_factor"])
+    if ck.get("num_moe_experts"):  # mixture of experts: megatron's names are the config fields but one
+        out["num_experts"] = ck["num_moe_experts"]
+        out.update({k: ck[k] for k in _MOE_FIELDS if k in ck})
     return out
+
+
+_MOE_FIELDS = ("moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq", "moe_router_pre_softmax",
+               "moe_router_score_function", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate")
 
 
 def parse_args(argv: list[str] | None = None, extra_args_provider=None,

@@ -1,0 +1,71 @@
+"""Mixture-of-experts training on megatron.training (CPU, gloo): a tiny Mixtral started from HF weights
+(`--load-hf`, each EP rank reading only its experts) trains with the same losses at EP=2 (2 processes) as
+at EP=1, its first loss is transformers' loss on that batch, and the loss falls."""
+
+import contextlib
+import io
+
+import pytest
+import torch
+
+from tests import _cpu
+from tests.test_pretrain import _argv, data  # noqa: F401  (the corpus fixture)
+
+
+def _run(rank: int, argv: list[str]) -> dict:
+    _cpu.install_training()
+    from megatron.training import training
+
+    from megatron_patch.pretrain import main
+    from megatron_patch.training import gpt
+
+    logged, batches, train_step, get_batch = [], [], training.train_step, gpt.get_batch
+
+    def record_step(*args, **kwargs):
+        out = train_step(*args, **kwargs)
+        logged.append(float(out[0]["lm loss"]))
+        return out
+
+    def record_batch(it):
+        batch = get_batch(it)
+        batches.append({k: batch[k].clone() for k in ("tokens", "labels", "loss_mask")})
+        return batch
+
+    training.train_step, gpt.get_batch = record_step, record_batch
+    with contextlib.redirect_stdout(io.StringIO()):
+        main(argv)
+    return {"losses": logged, "first_batches": batches[:2]}
+
+
+@pytest.fixture(scope="module")
+def mixtral_hf(tmp_path_factory):
+    from megatron_patch.conversion.hf_io import copy_side_files
+    from megatron_patch.tokenizer import TINY_TOKENIZER
+    from tests.models import case, save_case
+
+    path = str(tmp_path_factory.mktemp("moe") / "hf")
+    save_case(case("mixtral"), path)
+    copy_side_files(TINY_TOKENIZER, path, ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"])
+    return path
+
+
+def test_expert_parallel_training_matches_ep1_and_hf(data, mixtral_hf, tmp_path):  # noqa: F811
+    extra = ["--train-iters", "6", "--make-vocab-size-divisible-by", "4", "--moe-token-dispatcher-type", "allgather"]
+    ep1 = _cpu.run_world(1, _run, _argv(data, str(tmp_path / "a"), *extra, model=("--load-hf", mixtral_hf)))[0]
+    ep2 = _cpu.run_world(2, _run, _argv(data, str(tmp_path / "b"), *extra, "--expert-model-parallel-size", "2",
+                                        model=("--load-hf", mixtral_hf)))
+    assert len(ep1["losses"]) == 6
+    for rank in ep2:
+        assert max(abs(a - b) for a, b in zip(rank["losses"], ep1["losses"])) <= 1e-5, (rank["losses"], ep1["losses"])
+    assert sum(ep1["losses"][-2:]) < sum(ep1["losses"][:2])
+    # the first iteration's loss is transformers' loss on the same tokens (mean over its micro-batches)
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(mixtral_hf, dtype=torch.float32).eval()
+    ref = []
+    for b in ep1["first_batches"]:
+        with torch.no_grad():
+            logits = hf(b["tokens"]).logits
+        nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1), b["labels"].flatten(), reduction="none")
+        ref.append(float((nll * b["loss_mask"].flatten()).sum() / b["loss_mask"].sum()))
+    assert abs(ep1["losses"][0] - sum(ref) / len(ref)) <= 1e-5, (ep1["losses"][0], ref)
