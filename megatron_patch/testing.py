@@ -25,4 +25,7 @@ def random_hf_model(cfg: dict, seed: int = 0):
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=g) * 0.1
             p.copy_(1.0 + noise if "norm" in name else noise)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's router bias: a buffer, not a parameter
+                b.copy_(torch.randn(b.shape, generator=g) * 0.1)
     return model.eval()

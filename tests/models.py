@@ -106,6 +106,25 @@ OTHER_VARIANTS: dict[str, dict] = {
                    "hidden_size": 64, "num_attention_heads": 8, "num_kv_heads": 2, "num_hidden_layers": 4,
                    "new_decoder_architecture": True, "num_ln_in_parallel_attn": 1, "parallel_attn": True,
                    "bias": False, "ffn_hidden_size": 96, "tie_word_embeddings": False, "pad_token_id": 0},
+    # DeepSeek-V3: MLA, a dense first layer, 8 experts in 2 groups (one chosen per token), sigmoid router
+    # with its bias, a shared expert; one multi-token-prediction layer (its tensors are dropped)
+    "deepseek_v3": {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 1000,
+                    "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32, "num_hidden_layers": 4,
+                    "num_attention_heads": 4, "num_key_value_heads": 4, "n_routed_experts": 8,
+                    "num_experts_per_tok": 2, "n_shared_experts": 1, "first_k_dense_replace": 1, "q_lora_rank": 32,
+                    "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
+                    "n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+                    "rope_theta": 10000.0, "max_position_embeddings": 256, "rms_norm_eps": 1e-6,
+                    "num_nextn_predict_layers": 1, "tie_word_embeddings": False},
+    # DeepSeek-V2: softmax router, greedy top-k scaled without renormalisation, two shared experts
+    "deepseek_v2": {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "vocab_size": 1000,
+                    "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32, "num_hidden_layers": 4,
+                    "num_attention_heads": 4, "num_key_value_heads": 4, "n_routed_experts": 4,
+                    "num_experts_per_tok": 2, "n_shared_experts": 2, "first_k_dense_replace": 1, "q_lora_rank": 24,
+                    "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
+                    "topk_method": "greedy", "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.5,
+                    "norm_topk_prob": False, "rope_theta": 10000.0, "max_position_embeddings": 256,
+                    "rms_norm_eps": 1e-6, "tie_word_embeddings": False},
     # sequential blocks, MHA, biases
     "falcon_seq": {"architectures": ["FalconForCausalLM"], "model_type": "falcon", "vocab_size": 1000,
                    "hidden_size": 64, "num_attention_heads": 8, "num_hidden_layers": 4, "multi_query": False,

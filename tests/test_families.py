@@ -34,7 +34,7 @@ def test_round_trip_tp2_pp2_bitwise(variant, impl):
 # one config per family (the family is found from config.json's architectures alone)
 FAMILY_REPRESENTATIVES = ["qwen2", "qwen3", "mistral_swa", "starcoder2", "glm", "glm4", "qwen1", "baichuan2",
                           "internlm2", "yi", "chatglm2", "bloom", "starcoder", "baichuan2_13b", "falcon_7b",
-                          "falcon_40b", "mixtral", "qwen2_moe", "qwen3_moe"]
+                          "falcon_40b", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3"]
 
 
 @pytest.mark.parametrize("fmt,impl", [("legacy", "transformer_engine"), ("torch_dist", "local")])

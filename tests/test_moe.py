@@ -14,10 +14,10 @@ from megatron_patch.models import Layout, build_model
 from tests.models import case, save_case
 from toolkits.checkpoint_converter.__main__ import main
 
-MOE = ["mixtral", "qwen2_moe", "qwen3_moe"]
+MOE = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3"]
 
 
-@pytest.mark.parametrize("variant", MOE)
+@pytest.mark.parametrize("variant", MOE[:3])
 def test_router_picks_the_same_experts_as_transformers(cpu_megatron, variant):
     from megatron_patch.conversion.verify import fixed_prompts, megatron_logits
 
@@ -107,3 +107,37 @@ def test_bad_expert_layouts():
         make_plan(c.cfg, Layout(ep=3))
     with pytest.raises(ValueError, match="no experts to split"):
         make_plan(case("gqa").cfg, Layout(ep=2))
+
+
+def test_deepseek_router_choices_and_mtp_layers(cpu_megatron):
+    """DeepSeek's routers (V3: sigmoid + bias + groups; V2: softmax, greedy) pick HF's experts, and a
+    checkpoint's multi-token-prediction layer is dropped by name, not silently ignored."""
+    from megatron_patch.conversion.verify import fixed_prompts, megatron_logits
+
+    for variant in ("deepseek_v3", "deepseek_v2"):
+        c = case(variant)
+        model = build_model(c.cfg).eval()
+        load_rank_state_dict(model, hf_to_megatron(make_plan(c.cfg), c.sd.__getitem__, c.sd.keys())[(0, 0, 0)])
+        ours, theirs = {}, {}
+        for i, layer in enumerate(model.decoder.layers):
+            if hasattr(layer.mlp, "router"):
+                layer.mlp.router.register_forward_hook(lambda m, a, out, i=i: ours.__setitem__(i, out[1]))
+        for i, layer in enumerate(c.ref.model.layers):
+            if hasattr(layer.mlp, "gate"):
+                layer.mlp.gate.register_forward_hook(lambda m, a, out, i=i: theirs.__setitem__(i, out[-1]))
+        ids = fixed_prompts(c.vocab_size, batch=2, seq=24)
+        megatron_logits(model, ids, c.vocab_size)
+        with torch.no_grad():
+            c.ref(ids)
+        assert sorted(ours) == sorted(theirs) == [1, 2, 3]
+        b, s = ids.shape
+        for i in ours:
+            mine = ours[i].view(s, b, -1).transpose(0, 1).reshape(b * s, -1)
+            ref = torch.zeros_like(mine).scatter_(1, theirs[i].view(b * s, -1), True)
+            assert torch.equal(mine, ref), (variant, i)
+    c = case("deepseek_v3")
+    plan = make_plan(c.cfg)
+    mtp = {"model.layers.4.eh_proj.weight": torch.zeros(64, 128), "model.layers.4.enorm.weight": torch.ones(64)}
+    sd = {**c.sd, **mtp}
+    assert all(plan.is_dropped(k) for k in mtp)
+    hf_to_megatron(plan, sd.__getitem__, sd.keys())  # accepted: the MTP tensors are dropped explicitly

@@ -1,4 +1,5 @@
-"""Mixture-of-experts training on megatron.training (CPU, gloo): a tiny Mixtral started from HF weights
+"""Mixture-of-experts training on megatron.training (CPU, gloo): a tiny Mixtral and a tiny DeepSeek-V3 (MLA)
+started from HF weights
 (`--load-hf`, each EP rank reading only its experts) trains with the same losses at EP=2 (2 processes) as
 at EP=1, its first loss is transformers' loss on that batch, and the loss falls."""
 
@@ -37,23 +38,24 @@ def _run(rank: int, argv: list[str]) -> dict:
     return {"losses": logged, "first_batches": batches[:2]}
 
 
-@pytest.fixture(scope="module")
-def mixtral_hf(tmp_path_factory):
+def _hf_folder(root, variant: str) -> str:
     from megatron_patch.conversion.hf_io import copy_side_files
     from megatron_patch.tokenizer import TINY_TOKENIZER
     from tests.models import case, save_case
 
-    path = str(tmp_path_factory.mktemp("moe") / "hf")
-    save_case(case("mixtral"), path)
+    path = str(root / variant)
+    save_case(case(variant), path)
     copy_side_files(TINY_TOKENIZER, path, ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"])
     return path
 
 
-def test_expert_parallel_training_matches_ep1_and_hf(data, mixtral_hf, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("variant", ["mixtral", "deepseek_v3"])
+def test_expert_parallel_training_matches_ep1_and_hf(data, tmp_path, variant):  # noqa: F811
+    hf_dir = _hf_folder(tmp_path, variant)
     extra = ["--train-iters", "6", "--make-vocab-size-divisible-by", "4", "--moe-token-dispatcher-type", "allgather"]
-    ep1 = _cpu.run_world(1, _run, _argv(data, str(tmp_path / "a"), *extra, model=("--load-hf", mixtral_hf)))[0]
+    ep1 = _cpu.run_world(1, _run, _argv(data, str(tmp_path / "a"), *extra, model=("--load-hf", hf_dir)))[0]
     ep2 = _cpu.run_world(2, _run, _argv(data, str(tmp_path / "b"), *extra, "--expert-model-parallel-size", "2",
-                                        model=("--load-hf", mixtral_hf)))
+                                        model=("--load-hf", hf_dir)))
     assert len(ep1["losses"]) == 6
     for rank in ep2:
         assert max(abs(a - b) for a, b in zip(rank["losses"], ep1["losses"])) <= 1e-5, (rank["losses"], ep1["losses"])
@@ -61,7 +63,7 @@ def test_expert_parallel_training_matches_ep1_and_hf(data, mixtral_hf, tmp_path)
     # the first iteration's loss is transformers' loss on the same tokens (mean over its micro-batches)
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(mixtral_hf, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     ref = []
     for b in ep1["first_batches"]:
         with torch.no_grad():

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from megatron_patch.models.family import IMPLS, Impl, Layout, ModelFamily
-from megatron_patch.models.mappings import Drop, Mapping, Shapes
+from megatron_patch.models.mappings import Drop, Mapping, Replicated, Shapes
 from megatron_patch.models.registry import get_family
 
 Rank = tuple[int, int, int]  # (tp_rank, pp_rank, ep_rank)
@@ -129,7 +129,10 @@ class Plan:
                         continue  # e.g. expert tensors exist in mixture-of-experts layers only
                     stage, local = divmod(layer, self.layers_per_stage)
                     if stage in wanted:
-                        name = to_impl_name(m.megatron.format(layer=local, **ids), self.impl, m.moe_layer)
+                        if self.impl == "transformer_engine" and m.te_name:
+                            name = m.te_name.format(layer=local, **ids)
+                        else:
+                            name = to_impl_name(m.megatron.format(layer=local, **ids), self.impl, m.moe_layer)
                         yield Placement(m, layer, stage, name, ep=ep)
                 continue
             stage = 0 if m.megatron.startswith("embedding.") else last
@@ -148,7 +151,7 @@ class Plan:
     def is_dropped(self, hf_name: str) -> bool:
         for d in self.drops:
             if "{layer}" not in d.hf:
-                if d.hf == hf_name:
+                if d.hf == hf_name or (d.hf.endswith(".") and hf_name.startswith(d.hf)):
                     return True
             else:
                 head, tail = d.hf.split("{layer}")
@@ -255,6 +258,8 @@ def megatron_shards(plan: Plan, pl: Placement, hf: list[Tensor], dtype: torch.dt
         raise ConversionError(f"{shapes}: does not fit the {plan.family.name} config ({e})") from None
     if dtype is not None:
         full = full.to(dtype)
+    if m.te_replicated and plan.impl == "transformer_engine":
+        return [full] * plan.layout.tp
     return m.shard(full, plan.layout.tp, plan.shapes)
 
 
@@ -295,7 +300,11 @@ def placements_to_hf(plan: Plan, placements: Iterable[Placement],
             continue
         m = pl.mapping
         ep = pl.ep or 0  # a tensor every EP rank holds is read from EP rank 0
-        full = m.unshard([state_dicts[(t, pl.stage, ep)][pl.name] for t in range(plan.layout.tp)], plan.shapes)
+        shards = [state_dicts[(t, pl.stage, ep)][pl.name] for t in range(plan.layout.tp)]
+        if m.te_replicated and plan.impl == "transformer_engine":
+            full = Replicated.unshard(m, shards, plan.shapes)
+        else:
+            full = m.unshard(shards, plan.shapes)
         for h, tensor in zip(pl.hf_names, m.to_hf(full, plan.shapes)):
             out[h] = _own(tensor.to(dtype) if dtype is not None else tensor)
     return out

@@ -131,6 +131,12 @@ class ModelFamily:
     def layer_spec(self, hf_config: Any, impl: Impl):
         raise NotImplementedError
 
+    def config_class(self):
+        """megatron-core's config class for this family (MLA families need `MLATransformerConfig`)."""
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        return TransformerConfig
+
     def decoder_spec(self, hf_config: Any, config, vp_stage: int | None = None):
         """What `GPTModel` gets as `transformer_layer_spec`: one layer spec for every layer, or (families
         whose layers differ, e.g. mixture-of-experts) a per-layer block spec built from `config`."""
@@ -178,8 +184,6 @@ def transformer_config(hf_config: Any, layout: Layout = Layout(), dtype: torch.d
                        family: ModelFamily | None = None, **overrides):
     """`TransformerConfig` for `hf_config` at `layout`; `overrides` win over everything (a checkpoint's
     `num_query_groups`, e.g., when it was made with kv heads replicated for another TP)."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
     from megatron_patch.models.registry import get_family
 
     family = family or get_family(hf_config)
@@ -191,11 +195,12 @@ def transformer_config(hf_config: Any, layout: Layout = Layout(), dtype: torch.d
     if kwargs["num_query_groups"] % layout.tp or kwargs["num_query_groups"] % shapes.hf_query_groups:
         raise ValueError(f"num_query_groups={kwargs['num_query_groups']} must be a multiple of TP={layout.tp} "
                          f"and of the {shapes.hf_query_groups} kv heads")
-    known = {f.name for f in fields(TransformerConfig)}
+    cls = family.config_class()
+    known = {f.name for f in fields(cls)}
     unknown = sorted(set(kwargs) - known)
     if unknown:
-        raise TypeError(f"unknown TransformerConfig fields: {unknown}")
-    return TransformerConfig(**kwargs)
+        raise TypeError(f"unknown {cls.__name__} fields: {unknown}")
+    return cls(**kwargs)
 
 
 def build_model(hf_config: Any, tp: int = 1, pp: int = 1, impl: Impl = "local",

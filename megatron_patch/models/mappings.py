@@ -46,6 +46,10 @@ class Mapping:
     layers = None
     moe_layer = False
     expert = None
+    # Transformer Engine's name when it is not the rule's (`engine.to_impl_name`), and whether TE keeps the
+    # tensor whole on every TP rank where megatron's own layer splits it (MLA's down projections)
+    te_name = None
+    te_replicated = False
 
     def to_megatron(self, hf: list[Tensor], s: Shapes) -> Tensor:
         """HF tensor(s) -> the unsharded (TP=1) Megatron tensor."""
@@ -74,11 +78,14 @@ class Mapping:
         return "{layer}" in self.megatron
 
 
-def on_layers(m: "Mapping", layers, moe_layer: bool = False, expert: int | None = None) -> "Mapping":
-    """`m` restricted to some layers (a frozen mapping: the attributes are set once, here)."""
-    object.__setattr__(m, "layers", frozenset(layers))
+def on_layers(m: "Mapping", layers=None, moe_layer: bool = False, expert: int | None = None,
+              te_name: str | None = None, te_replicated: bool = False) -> "Mapping":
+    """`m` with the per-layer attributes above (a frozen mapping: they are set once, here)."""
+    object.__setattr__(m, "layers", None if layers is None else frozenset(layers))
     object.__setattr__(m, "moe_layer", moe_layer)
     object.__setattr__(m, "expert", expert)
+    object.__setattr__(m, "te_name", te_name)
+    object.__setattr__(m, "te_replicated", te_replicated)
     return m
 
 

@@ -35,6 +35,7 @@ class ExpertNames:
 class MoEDecoder(DenseDecoder):
     experts_names = ExpertNames()
     shared_expert = False
+    shared_expert_gate = True  # Qwen2-MoE's sigmoid gate on the shared expert's output
 
     # ---- facts from the config ------------------------------------------------------------------
     def num_experts(self, c: ArchConfig) -> int:
@@ -72,7 +73,8 @@ class MoEDecoder(DenseDecoder):
             moe_layer_freq=[int(i in sparse) for i in range(kw["num_layers"])],
         )
         if self.shared_expert:
-            kw.update(moe_shared_expert_intermediate_size=self.shared_ffn(c), moe_shared_expert_gate=True)
+            kw.update(moe_shared_expert_intermediate_size=self.shared_ffn(c),
+                      moe_shared_expert_gate=self.shared_expert_gate)
         return kw
 
     def decoder_spec(self, hf_config: Any, config, vp_stage: int | None = None):
@@ -119,7 +121,8 @@ class MoEDecoder(DenseDecoder):
             src, dst = hf + e.shared, f"{mc}mlp.shared_experts."
             moe(GatedMLP(f"{src}{e.gate}.weight", f"{src}{e.up}.weight", f"{dst}linear_fc1.weight"))
             moe(RowParallel(f"{src}{e.down}.weight", f"{dst}linear_fc2.weight"))
-            moe(Replicated(f"{hf}{e.shared_gate}.weight", f"{dst}gate_weight"))
+            if self.shared_expert_gate:
+                moe(Replicated(f"{hf}{e.shared_gate}.weight", f"{dst}gate_weight"))
         return out
 
 

@@ -35,6 +35,8 @@ _FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "mixtral": ("megatron_patch.models.moe:MIXTRAL", ("MixtralForCausalLM",)),
     "qwen2_moe": ("megatron_patch.models.moe:QWEN2_MOE", ("Qwen2MoeForCausalLM",)),
     "qwen3_moe": ("megatron_patch.models.moe:QWEN3_MOE", ("Qwen3MoeForCausalLM",)),
+    "deepseek_v2": ("megatron_patch.models.deepseek:DEEPSEEK_V2", ("DeepseekV2ForCausalLM",)),
+    "deepseek_v3": ("megatron_patch.models.deepseek:DEEPSEEK_V3", ("DeepseekV3ForCausalLM",)),
 }
 _LOADED: dict[str, ModelFamily] = {}
 

@@ -94,6 +94,9 @@ class RewardFamily(ModelFamily):
     def decoder_spec(self, hf_config: Any, config, vp_stage: int | None = None):
         return self.base.decoder_spec(hf_config, config, vp_stage)
 
+    def config_class(self):
+        return self.base.config_class()
+
     def max_sequence_length(self, hf_config: Any) -> int:
         return self.base.max_sequence_length(hf_config)
 

@@ -71,11 +71,18 @@ def architecture_args(hf_config: Any) -> dict:
     if ck.get("num_moe_experts"):  # mixture of experts: megatron's names are the config fields but one
         out["num_experts"] = ck["num_moe_experts"]
         out.update({k: ck[k] for k in _MOE_FIELDS if k in ck})
+    if ck.get("multi_latent_attention"):
+        out.update({k: ck[k] for k in _MLA_FIELDS if k in ck})
     return out
 
 
 _MOE_FIELDS = ("moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq", "moe_router_pre_softmax",
-               "moe_router_score_function", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate")
+               "moe_router_score_function", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
+               "moe_router_enable_expert_bias", "moe_router_num_groups", "moe_router_group_topk",
+               "moe_router_topk_scaling_factor", "moe_router_dtype")
+_MLA_FIELDS = ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+               "v_head_dim", "rope_type", "rotary_scaling_factor", "original_max_position_embeddings", "mscale",
+               "mscale_all_dim", "beta_fast", "beta_slow")
 
 
 def parse_args(argv: list[str] | None = None, extra_args_provider=None,

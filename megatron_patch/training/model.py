@@ -25,7 +25,7 @@ def transformer_config_from_args(args, hf_config: Any):
     # megatron's own (non-TE) linear layers fuse weight-gradient accumulation only through Apex's
     # extension; without it they accumulate the ordinary way and TE's layers fuse on their own (below)
     fields["gradient_accumulation_fusion"] = args.gradient_accumulation_fusion and _apex_wgrad_available()
-    return type(base)(**fields)
+    return family.config_class()(**fields)  # MLA families need MLATransformerConfig
 
 
 def _apex_wgrad_available() -> bool:

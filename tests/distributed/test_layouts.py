@@ -24,9 +24,9 @@ VARIANTS = [
     "baichuan", "baichuan2", "internlm2", "internlm2_dynamic_rope", "yi", "yi_llama",
     "chatglm2", "glm4_chat", "bloom", "bloom_6heads", "starcoder", "starcoder_mha",
     "baichuan_13b", "baichuan2_13b", "falcon_7b", "falcon_40b", "falcon_11b", "falcon_seq",
-    "mixtral", "qwen2_moe", "qwen3_moe",
+    "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3",
 ]
-MOE_VARIANTS = ["mixtral", "qwen2_moe", "qwen3_moe"]
+MOE_VARIANTS = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3"]
 LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2), (2, 1, 2), (1, 2, 2)]  # (tp, pp, ep)
 
 
