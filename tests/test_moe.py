@@ -141,3 +141,30 @@ def test_deepseek_router_choices_and_mtp_layers(cpu_megatron):
     sd = {**c.sd, **mtp}
     assert all(plan.is_dropped(k) for k in mtp)
     hf_to_megatron(plan, sd.__getitem__, sd.keys())  # accepted: the MTP tensors are dropped explicitly
+
+
+@pytest.mark.parametrize("fmt", ["torch_dist", "legacy"])
+def test_conversion_streams_expert_tensors(cpu_megatron, tmp_path, monkeypatch, fmt):
+    """HF -> Megatron holds a few HF tensors at a time (torch_dist), or one rank file's worth (legacy: each
+    rank file is assembled in memory), never a whole model's experts."""
+    import weakref
+
+    from megatron_patch.conversion import hf_io
+
+    c = case("deepseek_v3")
+    hf_dir = save_case(c, str(tmp_path / "hf"))
+    live: list[weakref.ref] = []
+    peak = [0]
+    get = hf_io.HFCheckpoint.get
+
+    def tracked(self, name):
+        t = get(self, name)  # (freed tensors die at once: no reference cycles to collect)
+        live[:] = [r for r in live if r() is not None]
+        live.append(weakref.ref(t))
+        peak[0] = max(peak[0], len(live))
+        return t
+
+    monkeypatch.setattr(hf_io.HFCheckpoint, "get", tracked)
+    assert main(["hf-to-mcore", "--hf-dir", hf_dir, "--out", str(tmp_path / "mc"), "--format", fmt, "--ep", "2"]) == 0
+    assert sum("experts." in k for k in c.sd) >= 60
+    assert peak[0] <= (8 if fmt == "torch_dist" else len(c.sd) // 2), (len(c.sd), peak[0])
