@@ -3,7 +3,7 @@
 # after them passed through to Megatron, torchrun sized from the environment so the same script runs
 # on one GPU and on a multi-node cluster.
 #
-#   examples/<family>/pretrain.sh [--model DIR] [--data PREFIX] [--tokenizer DIR] [--tp N] [--pp N]
+#   examples/<family>/pretrain.sh [--model DIR] [--data PREFIX] [--tokenizer DIR] [--tp N] [--pp N] [--ep N]
 #       [--precision bf16|fp16|fp8|fp32] [--seq-length N] [--mbs N] [--gbs N] [--lr X] [--iters N]
 #       [--out DIR] [--from-hf] [--dry-run] [-- any Megatron-LM argument ...]
 #
@@ -18,7 +18,7 @@ ENTRY=${ENTRY:?set by the family script: pretrain, sft, rlhf.reward_model or rlh
 MODEL=${MODEL:-}
 DATA=${DATA:-}
 TOKENIZER=""
-TP=1 PP=1 PRECISION=bf16 SEQ=4096 MBS=1 GBS=32 LR=3e-4 ITERS=1000 OUT=checkpoints/run FROM_HF=0 DRY_RUN=0
+TP=1 PP=1 EP=1 PRECISION=bf16 SEQ=4096 MBS=1 GBS=32 LR=3e-4 ITERS=1000 OUT=checkpoints/run FROM_HF=0 DRY_RUN=0
 
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -27,6 +27,7 @@ while [[ $# -gt 0 ]]; do
     --tokenizer) TOKENIZER=$2; shift 2 ;;
     --tp) TP=$2; shift 2 ;;
     --pp) PP=$2; shift 2 ;;
+    --ep) EP=$2; shift 2 ;;  # expert parallel (mixture-of-experts families)
     --precision) PRECISION=$2; shift 2 ;;
     --seq-length) SEQ=$2; shift 2 ;;
     --mbs) MBS=$2; shift 2 ;;
@@ -64,7 +65,8 @@ CMD=(torchrun --nproc_per_node "$NPROC_PER_NODE" --nnodes "${NNODES:-1}" --node_
      --master_addr "${MASTER_ADDR:-localhost}" --master_port "${MASTER_PORT:-6000}"
      -m "megatron_patch.$ENTRY" "${MODEL_ARGS[@]}"
      --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER" "${DATA_ARGS[@]}"
-     --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" --precision "$PRECISION"
+     --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" --expert-model-parallel-size "$EP"
+     --precision "$PRECISION"
      --seq-length "$SEQ" --micro-batch-size "$MBS" --global-batch-size "$GBS"
      --lr "$LR" --min-lr "$(awk "BEGIN { printf \"%g\", $LR / 10 }")" --lr-decay-style cosine --lr-warmup-fraction 0.01
      --train-iters "$ITERS" --save "$OUT" --load "$OUT" --save-interval 1000 --log-interval 10

@@ -76,3 +76,10 @@ def test_rlhf_launchers(family):
     assert "-m megatron_patch.rlhf.grpo --hf-dir" in text
     p = subprocess.run(["bash", os.path.join(ROOT, "examples", family, "rlhf_grpo.sh")], capture_output=True, text=True)
     assert p.returncode != 0 and "HF model folder" in p.stderr
+
+
+def test_expert_parallel_option():
+    code, cmd, err = _dry_run("mixtral", "--data", "corpus", "--ep", "4", "--tp", "2")
+    assert code == 0, err
+    assert cmd[cmd.index("--expert-model-parallel-size") + 1] == "4"
+    assert cmd[cmd.index("-m") + 1] == "megatron_patch.pretrain"
