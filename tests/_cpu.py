@@ -129,7 +129,7 @@ def install_training() -> None:
         training.initialize_megatron = init
 
 
-def init_model_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, ep: int = 1) -> None:
+def init_model_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, ep: int = 1, etp: int | None = None) -> None:
     """(Re)initialise megatron's model-parallel groups inside a running world, with the RNG
     tracker megatron-core needs (`tensor_parallel/random.py`: the inference tracker never touches
     CUDA RNG state)."""
@@ -139,7 +139,7 @@ def init_model_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, ep: int = 1)
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                 expert_model_parallel_size=ep)
+                                 expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
     model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True, force_reset_rng=True)
 
 

@@ -168,3 +168,23 @@ def test_conversion_streams_expert_tensors(cpu_megatron, tmp_path, monkeypatch, 
     assert main(["hf-to-mcore", "--hf-dir", hf_dir, "--out", str(tmp_path / "mc"), "--format", fmt, "--ep", "2"]) == 0
     assert sum("experts." in k for k in c.sd) >= 60
     assert peak[0] <= (8 if fmt == "torch_dist" else len(c.sd) // 2), (len(c.sd), peak[0])
+
+
+def test_expert_tensor_parallel_other_than_tp():
+    """ETP=1 at TP=2: a process keeps its experts whole (its attention still split); whole-checkpoint
+    conversion at ETP != TP is refused with the way out (torch_dist), and ETP must divide the FFN."""
+    from megatron_patch.conversion.engine import ConversionError
+
+    c = case("mixtral")
+    plan = make_plan(c.cfg, Layout(2, 1, ep=2, etp=1))
+    with pytest.raises(ConversionError, match="ETP=1 differs from TP=2"):
+        hf_to_megatron(plan, c.sd.__getitem__, c.sd.keys())
+    sd = hf_to_megatron(plan, c.sd.__getitem__, c.sd.keys(), tp_ranks=[1], ep_ranks=[1], etp_rank=0)[(1, 0, 1)]
+    fc2 = sd["decoder.layers.0.mlp.experts.local_experts.0.linear_fc2.weight"]
+    assert torch.equal(fc2, c.sd["model.layers.0.block_sparse_moe.experts.2.w2.weight"])  # whole, global expert 2
+    qkv = sd["decoder.layers.0.self_attention.linear_qkv.weight"]
+    assert qkv.shape[0] * 2 == make_plan(c.cfg).shapes.num_heads * 8 + 2 * 2 * 8  # TP-split
+    with pytest.raises(ConversionError, match="ETP != TP"):
+        megatron_to_hf(plan, {(t, 0, e): sd for t in range(2) for e in range(2)})
+    with pytest.raises(ValueError, match="ETP=3 does not divide"):
+        make_plan(c.cfg, Layout(ep=2, etp=3))

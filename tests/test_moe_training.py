@@ -71,3 +71,4 @@ def test_expert_parallel_training_matches_ep1_and_hf(data, tmp_path, variant):  
         nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1), b["labels"].flatten(), reduction="none")
         ref.append(float((nll * b["loss_mask"].flatten()).sum() / b["loss_mask"].sum()))
     assert abs(ep1["losses"][0] - sum(ref) / len(ref)) <= 1e-5, (ep1["losses"][0], ref)
+

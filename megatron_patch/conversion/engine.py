@@ -224,12 +224,20 @@ def hf_to_megatron(plan: Plan, get: Callable[[str], Tensor], hf_keys: Iterable[s
                    dtype: torch.dtype | None = None, stages: Iterable[int] | None = None,
                    expected: MappingABC[str, tuple[int, ...]] | None = None,
                    tp_ranks: Iterable[int] | None = None,
-                   ep_ranks: Iterable[int] | None = None) -> dict[Rank, dict[str, Tensor]]:
+                   ep_ranks: Iterable[int] | None = None,
+                   etp_rank: int | None = None) -> dict[Rank, dict[str, Tensor]]:
     """HF tensors (read by name through `get`) -> {(tp_rank, pp_rank, ep_rank): state dict} for
     `stages`, `tp_ranks` and `ep_ranks` (default all; an EP rank holds its own experts, numbered from 0,
     and the same copy of everything else). `expected` (canonical name -> unsharded shape, e.g. a meta
-    TP=PP=1 model's) turns a tensor that does not fit the config into an error naming the HF tensor."""
+    TP=PP=1 model's) turns a tensor that does not fit the config into an error naming the HF tensor.
+    Routed experts are split over ETP (`layout.etp`, default TP): with ETP != TP a process's expert shard
+    is its expert-tensor-parallel rank (`etp_rank`), so that conversion is per process only."""
     check_hf_keys(plan, hf_keys)
+    split_experts = plan.layout.expert_tp != plan.layout.tp
+    if split_experts and etp_rank is None:
+        raise ConversionError(f"ETP={plan.layout.expert_tp} differs from TP={plan.layout.tp}: convert per process "
+                              "(pass its etp_rank; --load-hf does) or write torch_dist, which megatron loads at any "
+                              "layout")
     stages = list(range(plan.layout.pp)) if stages is None else list(stages)
     tp_ranks = list(range(plan.layout.tp)) if tp_ranks is None else list(tp_ranks)
     ep_ranks = list(range(plan.layout.ep)) if ep_ranks is None else list(ep_ranks)
@@ -237,7 +245,8 @@ def hf_to_megatron(plan: Plan, get: Callable[[str], Tensor], hf_keys: Iterable[s
     for pl in plan.placements(stages, ep_ranks):
         shards = megatron_shards(plan, pl, [get(h) for h in pl.hf_names], dtype, expected)
         for t in tp_ranks:
-            shard = _own(shards[t])
+            expert_part = split_experts and pl.mapping.expert is not None
+            shard = _own(shards[etp_rank if expert_part else t])
             for e in ep_ranks if pl.ep is None else [pl.ep]:
                 out[(t, pl.stage, e)][pl.name] = shard
     return out
@@ -260,7 +269,7 @@ def megatron_shards(plan: Plan, pl: Placement, hf: list[Tensor], dtype: torch.dt
         full = full.to(dtype)
     if m.te_replicated and plan.impl == "transformer_engine":
         return [full] * plan.layout.tp
-    return m.shard(full, plan.layout.tp, plan.shapes)
+    return m.shard(full, plan.layout.expert_tp if m.expert is not None else plan.layout.tp, plan.shapes)
 
 
 def check_megatron_keys(plan: Plan, state_dicts: MappingABC[Rank, MappingABC[str, Tensor]]) -> None:
@@ -282,6 +291,9 @@ def megatron_to_hf(plan: Plan, state_dicts: MappingABC[Rank, MappingABC[str, Ten
     """{(tp_rank, pp_rank, ep_rank): state dict} for `stages` (default all) -> those stages' HF tensors.
     Strict: every rank's parameters are used."""
     stages = list(range(plan.layout.pp)) if stages is None else list(stages)
+    if plan.layout.expert_tp != plan.layout.tp:
+        raise ConversionError("ETP != TP: per-rank state dicts cannot be reassembled here; export a torch_dist "
+                              "checkpoint (megatron.training's --ckpt-format torch_dist)")
     absent = [(t, p, e) for p in stages for t in range(plan.layout.tp) for e in range(plan.layout.ep)
               if (t, p, e) not in state_dicts]
     if absent:

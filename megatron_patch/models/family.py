@@ -76,6 +76,11 @@ class Layout:
     pp: int = 1
     make_vocab_size_divisible_by: int = 128
     ep: int = 1  # expert parallel: the experts of a mixture-of-experts layer split over EP ranks
+    etp: int | None = None  # expert tensor parallel: how each routed expert is split (default: TP)
+
+    @property
+    def expert_tp(self) -> int:
+        return self.etp or self.tp
 
     def check(self, num_layers: int, num_heads: int, num_query_groups: int) -> None:
         if self.tp < 1 or self.pp < 1:
@@ -126,6 +131,11 @@ class ModelFamily:
                              "mixture-of-experts models)")
         if experts and experts % layout.ep:
             raise ValueError(f"EP={layout.ep} does not divide the {experts} experts")
+        if layout.etp is not None and not experts:
+            raise ValueError(f"ETP={layout.etp}: {self.name} has no experts")
+        ffn = self.config_kwargs(hf_config).get("moe_ffn_hidden_size")
+        if experts and ffn and ffn % layout.expert_tp:
+            raise ValueError(f"ETP={layout.expert_tp} does not divide the experts' FFN size {ffn}")
 
     # ---- (b) layer spec ---------------------------------------------------------------------
     def layer_spec(self, hf_config: Any, impl: Impl):
@@ -206,7 +216,7 @@ def transformer_config(hf_config: Any, layout: Layout = Layout(), dtype: torch.d
 def build_model(hf_config: Any, tp: int = 1, pp: int = 1, impl: Impl = "local",
                 dtype: torch.dtype = torch.float32, make_vocab_size_divisible_by: int = 128,
                 padded_vocab_size: int | None = None, pre_process: bool | None = None,
-                post_process: bool | None = None, ep: int = 1, **config_overrides):
+                post_process: bool | None = None, ep: int = 1, etp: int | None = None, **config_overrides):
     """The megatron-core `GPTModel` for this process's rank of a TP x PP (x EP) layout.
 
     Model parallelism must be initialised for TP x PP (`parallel_state.initialize_model_parallel`);
@@ -221,14 +231,14 @@ def build_model(hf_config: Any, tp: int = 1, pp: int = 1, impl: Impl = "local",
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     family = get_family(hf_config)
-    layout = Layout(tp, pp, make_vocab_size_divisible_by, ep)
+    layout = Layout(tp, pp, make_vocab_size_divisible_by, ep, etp)
     family.check_layout(hf_config, layout)
-    ensure_model_parallel(tp, pp, ep)
+    ensure_model_parallel(tp, pp, ep, etp)
     have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
-            ps.get_expert_model_parallel_world_size())
-    if have != (tp, pp, ep):
-        raise ValueError(f"model parallelism is initialised as TP={have[0]}, PP={have[1]}, EP={have[2]} but "
-                         f"TP={tp}, PP={pp}, EP={ep} was asked for")
+            ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size())
+    if have != (tp, pp, ep, layout.expert_tp):
+        raise ValueError(f"model parallelism is initialised as TP={have[0]}, PP={have[1]}, EP={have[2]}, ETP={have[3]} "
+                         f"but TP={tp}, PP={pp}, EP={ep}, ETP={layout.expert_tp} was asked for")
     config = transformer_config(hf_config, layout, dtype, family,
                                 **{"transformer_impl": impl, **config_overrides})
     shapes = family.shapes(hf_config, layout)
@@ -277,7 +287,14 @@ def current_rank() -> tuple[int, int, int]:
             ps.get_expert_model_parallel_rank())
 
 
-def ensure_model_parallel(tp: int, pp: int, ep: int = 1) -> None:
+def current_etp_rank() -> int:
+    """This process's rank among the expert-tensor-parallel shards of its experts."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_expert_tensor_parallel_rank()
+
+
+def ensure_model_parallel(tp: int, pp: int, ep: int = 1, etp: int | None = None) -> None:
     """Initialise a gloo world of one and TP=PP=1 model parallelism when nothing is set up yet
     (converter and verification tools; training sets up its own world). The RNG tracker is the
     inference one: these models only run forward passes."""
@@ -300,5 +317,5 @@ def ensure_model_parallel(tp: int, pp: int, ep: int = 1) -> None:
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                     expert_model_parallel_size=ep)
+                                     expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
         model_parallel_cuda_manual_seed(0, inference_rng_tracker=True, force_reset_rng=True)

@@ -54,17 +54,19 @@ def load_hf_weights(model, hf_dir: str, hf_config: Any, args) -> None:
     from megatron_patch.conversion.engine import hf_to_megatron, load_rank_state_dict, make_plan
     from megatron_patch.conversion.hf_io import HFCheckpoint
     from megatron_patch.models import load_hf_config
-    from megatron_patch.models.family import current_rank
+    from megatron_patch.models.family import current_etp_rank, current_rank
     from megatron_patch.models.reward import SCORE, is_reward_config
 
     layout = Layout(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                    args.make_vocab_size_divisible_by, args.expert_model_parallel_size)
+                    args.make_vocab_size_divisible_by, args.expert_model_parallel_size,
+                    args.expert_tensor_parallel_size)
     ckpt = HFCheckpoint(hf_dir)
     fresh_head = is_reward_config(hf_config) and SCORE not in ckpt.keys()
     source = load_hf_config(hf_dir) if fresh_head else hf_config
     plan = make_plan(source, layout, args.transformer_impl, padded_vocab_size=args.padded_vocab_size)
     rank = current_rank()
-    state = hf_to_megatron(plan, ckpt.get, ckpt.keys(), stages=[rank[1]], tp_ranks=[rank[0]], ep_ranks=[rank[2]])[rank]
+    state = hf_to_megatron(plan, ckpt.get, ckpt.keys(), stages=[rank[1]], tp_ranks=[rank[0]], ep_ranks=[rank[2]],
+                           etp_rank=current_etp_rank())[rank]
     if fresh_head:
         state.pop("output_layer.weight", None)
         if model.post_process:
