@@ -96,11 +96,12 @@ def test_sharded_safetensors_input(src):
     _assert_same(ref, read_all(str(root / "d2_hf")))
 
 
-@pytest.mark.parametrize("variant", ["gqa", "tied"])
+@pytest.mark.parametrize("variant", ["gqa", "tied", "mixtral", "qwen2_moe", "deepseek_v3"])
 def test_extra_state_rule_matches_the_local_model(cpu_megatron, variant):
     from megatron_patch.models import build_model
+    from tests.models import any_config
 
-    cfg = llama_config(variant)
+    cfg = any_config(variant)
     with torch.device("meta"):
         model = build_model(cfg, perform_initialization=False, use_cpu_initialization=True)
     real = {k for k in model.state_dict() if k.endswith("._extra_state")}

@@ -131,8 +131,6 @@ class ModelFamily:
                              "mixture-of-experts models)")
         if experts and experts % layout.ep:
             raise ValueError(f"EP={layout.ep} does not divide the {experts} experts")
-        if layout.etp is not None and not experts:
-            raise ValueError(f"ETP={layout.etp}: {self.name} has no experts")
         ffn = self.config_kwargs(hf_config).get("moe_ffn_hidden_size")
         if experts and ffn and ffn % layout.expert_tp:
             raise ValueError(f"ETP={layout.expert_tp} does not divide the experts' FFN size {ffn}")
