@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping as MappingABC
 import dataclasses
-import re
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -44,25 +43,22 @@ class Placement(NamedTuple):
         """Unsharded `local` name with the global layer index (a TP=PP=1 model's state-dict key)."""
         return self.mapping.names(self.layer)[0]
 
-# Transformer Engine fuses the pre-attention / pre-MLP norms into the following linear layer (not the
-# pre-MLP norm of a mixture-of-experts layer: the router and experts are no LayerNorm-linear), and holds
-# the experts of a layer in one grouped GEMM whose weights are numbered `weight{expert}`.
+# Transformer Engine fuses the pre-attention / pre-MLP norms into the following linear layer. Tensors
+# named otherwise under TE (a sparse layer's own pre-MLP norm, grouped-GEMM experts, MLA) state their TE
+# name in their mapping (`Mapping.te_name`).
 _TE_RENAMES = (
     (".input_layernorm.", ".self_attention.linear_qkv.layer_norm_"),
     (".pre_mlp_layernorm.", ".mlp.linear_fc1.layer_norm_"),
 )
-_TE_GROUPED_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)$")
 
 
 class ConversionError(ValueError):
     """A checkpoint does not match the weight map (missing, unexpected or inconsistent tensors)."""
 
 
-def to_impl_name(name: str, impl: Impl, moe_layer: bool = False) -> str:
+def to_impl_name(name: str, impl: Impl) -> str:
     """Canonical (`local`) Megatron parameter name -> the name in `impl`."""
     if impl == "transformer_engine":
-        if moe_layer:
-            return _TE_GROUPED_EXPERT.sub(r".mlp.experts.\2.\3\1", name)
         for a, b in _TE_RENAMES:
             name = name.replace(a, b)
     return name
@@ -132,7 +128,7 @@ class Plan:
                         if self.impl == "transformer_engine" and m.te_name:
                             name = m.te_name.format(layer=local, **ids)
                         else:
-                            name = to_impl_name(m.megatron.format(layer=local, **ids), self.impl, m.moe_layer)
+                            name = to_impl_name(m.megatron.format(layer=local, **ids), self.impl)
                         yield Placement(m, layer, stage, name, ep=ep)
                 continue
             stage = 0 if m.megatron.startswith("embedding.") else last
@@ -173,6 +169,7 @@ def make_plan(hf_config: Any, layout: Layout = Layout(), impl: Impl = "local",
     family = family or get_family(hf_config)
     family.check_layout(hf_config, layout)
     entries = family.weight_map(hf_config)
+    arch = family.config_kwargs(hf_config)
     return Plan(
         family=family,
         hf_config=hf_config,
@@ -180,8 +177,8 @@ def make_plan(hf_config: Any, layout: Layout = Layout(), impl: Impl = "local",
         impl=impl,
         shapes=_with_groups(_with_padding(family.shapes(hf_config, layout), padded_vocab_size), num_query_groups,
                             layout),
-        num_layers=int(family.config_kwargs(hf_config)["num_layers"]),
-        num_experts=int(family.config_kwargs(hf_config).get("num_moe_experts") or 0),
+        num_layers=int(arch["num_layers"]),
+        num_experts=int(arch.get("num_moe_experts") or 0),
         tied=family.tied_embeddings(hf_config),
         mappings=[e for e in entries if isinstance(e, Mapping)],
         drops=[e for e in entries if isinstance(e, Drop)],
@@ -244,9 +241,9 @@ def hf_to_megatron(plan: Plan, get: Callable[[str], Tensor], hf_keys: Iterable[s
     out: dict[Rank, dict[str, Tensor]] = {(t, p, e): {} for t in tp_ranks for p in stages for e in ep_ranks}
     for pl in plan.placements(stages, ep_ranks):
         shards = megatron_shards(plan, pl, [get(h) for h in pl.hf_names], dtype, expected)
+        own_etp_shard = split_experts and pl.mapping.expert is not None
         for t in tp_ranks:
-            expert_part = split_experts and pl.mapping.expert is not None
-            shard = _own(shards[etp_rank if expert_part else t])
+            shard = _own(shards[etp_rank if own_etp_shard else t])
             for e in ep_ranks if pl.ep is None else [pl.ep]:
                 out[(t, pl.stage, e)][pl.name] = shard
     return out

@@ -148,7 +148,7 @@ class DeepSeek(MoEDecoder):
         sparse = self.moe_layers(c)
         if self.sigmoid_router and sparse:
             out.append(on_layers(Replicated(f"{n.layer}mlp.gate.e_score_correction_bias",
-                                            "decoder.layers.{layer}.mlp.router.expert_bias"), sparse, moe_layer=True))
+                                            "decoder.layers.{layer}.mlp.router.expert_bias"), sparse))
         return out
 
 

@@ -125,13 +125,14 @@ class ModelFamily:
 
     def check_layout(self, hf_config: Any, layout: Layout) -> None:
         self.shapes(hf_config, layout)
-        experts = self.config_kwargs(hf_config).get("num_moe_experts") or 0
+        arch = self.config_kwargs(hf_config)
+        experts = arch.get("num_moe_experts") or 0
         if layout.ep > 1 and not experts:
             raise ValueError(f"EP={layout.ep}: {self.name} has no experts to split (expert parallelism is for "
                              "mixture-of-experts models)")
         if experts and experts % layout.ep:
             raise ValueError(f"EP={layout.ep} does not divide the {experts} experts")
-        ffn = self.config_kwargs(hf_config).get("moe_ffn_hidden_size")
+        ffn = arch.get("moe_ffn_hidden_size")
         if experts and ffn and ffn % layout.expert_tp:
             raise ValueError(f"ETP={layout.expert_tp} does not divide the experts' FFN size {ffn}")
 

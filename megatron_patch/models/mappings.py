@@ -39,12 +39,10 @@ class Mapping:
 
     megatron: str
     hf: tuple[str, ...]
-    # per-layer mappings: only these global layers (None: all), whether those are mixture-of-experts
-    # layers (whose names Transformer Engine spells differently), and the global index of the expert
-    # whose tensor this is (its Megatron name has an `{expert}` slot for the index local to an
-    # expert-parallel rank; the engine fills it); set with `on_layers`
+    # per-layer mappings: only these global layers (None: all), and the global index of the expert whose
+    # tensor this is (its Megatron name has an `{expert}` slot for the index local to an expert-parallel
+    # rank; the engine fills it); set with `on_layers`
     layers = None
-    moe_layer = False
     expert = None
     # Transformer Engine's name when it is not the rule's (`engine.to_impl_name`), and whether TE keeps the
     # tensor whole on every TP rank where megatron's own layer splits it (MLA's down projections)
@@ -78,11 +76,10 @@ class Mapping:
         return "{layer}" in self.megatron
 
 
-def on_layers(m: "Mapping", layers=None, moe_layer: bool = False, expert: int | None = None,
-              te_name: str | None = None, te_replicated: bool = False) -> "Mapping":
+def on_layers(m: "Mapping", layers=None, expert: int | None = None, te_name: str | None = None,
+              te_replicated: bool = False) -> "Mapping":
     """`m` with the per-layer attributes above (a frozen mapping: they are set once, here)."""
     object.__setattr__(m, "layers", None if layers is None else frozenset(layers))
-    object.__setattr__(m, "moe_layer", moe_layer)
     object.__setattr__(m, "expert", expert)
     object.__setattr__(m, "te_name", te_name)
     object.__setattr__(m, "te_replicated", te_replicated)

@@ -101,22 +101,24 @@ class MoEDecoder(DenseDecoder):
         for m in super().weight_map(c):
             if isinstance(m, Mapping) and (".mlp.linear_fc" in m.megatron or ".pre_mlp_layernorm." in m.megatron):
                 if ".pre_mlp_layernorm." in m.megatron and sparse:
-                    moe_norm = Replicated(m.hf[0], m.megatron)
-                    out.append(on_layers(moe_norm, sparse, moe_layer=True))
+                    # TE keeps a sparse layer's pre-MLP norm apart (the router is no LayerNorm-linear)
+                    out.append(on_layers(Replicated(m.hf[0], m.megatron), sparse, te_name=m.megatron))
                 if not dense:
                     continue
                 m = on_layers(m, dense)
             out.append(m)
 
-        def moe(mapping: Mapping, expert: int | None = None) -> None:
-            out.append(on_layers(mapping, sparse, moe_layer=True, expert=expert))
+        def moe(mapping: Mapping, expert: int | None = None, te_name: str | None = None) -> None:
+            out.append(on_layers(mapping, sparse, expert=expert, te_name=te_name))
 
         moe(Replicated(f"{hf}{e.router}.weight", f"{mc}mlp.router.weight"))
-        dst = f"{mc}mlp.experts.local_experts.{{expert}}."  # the engine numbers experts per EP rank
+        # the engine numbers experts per EP rank; TE's grouped GEMM numbers its weights instead of modules
+        dst, grouped = f"{mc}mlp.experts.local_experts.{{expert}}.", f"{mc}mlp.experts."
         for j in range(self.num_experts(c)):
             src = hf + e.expert.format(expert=j)
-            moe(GatedMLP(f"{src}{e.gate}.weight", f"{src}{e.up}.weight", f"{dst}linear_fc1.weight"), j)
-            moe(RowParallel(f"{src}{e.down}.weight", f"{dst}linear_fc2.weight"), j)
+            moe(GatedMLP(f"{src}{e.gate}.weight", f"{src}{e.up}.weight", f"{dst}linear_fc1.weight"), j,
+                f"{grouped}linear_fc1.weight{{expert}}")
+            moe(RowParallel(f"{src}{e.down}.weight", f"{dst}linear_fc2.weight"), j, f"{grouped}linear_fc2.weight{{expert}}")
         if self.shared_expert:
             src, dst = hf + e.shared, f"{mc}mlp.shared_experts."
             moe(GatedMLP(f"{src}{e.gate}.weight", f"{src}{e.up}.weight", f"{dst}linear_fc1.weight"))
