@@ -31,6 +31,17 @@ def datasets_provider(train_val_test_num_samples):
 datasets_provider.is_distributed = True
 
 
+def pair_report(**per_pair):
+    """(number of pairs, Megatron's report) for per-pair tensors: each metric as [sum, count], the form
+    megatron.training averages over micro-batches and data-parallel ranks."""
+    import torch
+
+    first = next(iter(per_pair.values()))
+    n = torch.tensor(first.numel(), device=first.device, dtype=torch.int)
+    count = n.float().view(1)
+    return n, {k: torch.cat([v.detach().sum().float().view(1), count]) for k, v in per_pair.items()}
+
+
 def pair_batch(data_iterator) -> dict:
     """The next micro-batch of pairs on this rank's device, flattened to rows chosen_0, rejected_0, ..."""
     from megatron_patch.rlhf.data import flatten_pairs

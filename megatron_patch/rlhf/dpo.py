@@ -78,21 +78,17 @@ def dpo_loss(policy: torch.Tensor, reference: torch.Tensor, beta: float):
 def loss_func(loss_mask: torch.Tensor, reference: torch.Tensor, beta: float, sft_weight: float,
               output: torch.Tensor):
     """Megatron's loss-function protocol: (sum over pairs, number of pairs, metrics as [sum, count])."""
+    from megatron_patch.rlhf.common import pair_report
+
     logps = sequence_logps(output, loss_mask).view(-1, 2)
     loss, chosen, rejected = dpo_loss(logps, reference.view(-1, 2), beta)
     total = loss.sum()
     if sft_weight:
         m = loss_mask[0::2]
         total = total + sft_weight * ((output[0::2].float() * m).sum(-1) / m.sum(-1).clamp(min=1)).sum()
-    n = torch.tensor(loss.numel(), device=loss.device, dtype=torch.int)
-    count = n.float().view(1)
-
-    def metric(x):
-        return torch.cat([x.detach().sum().float().view(1), count])
-
-    report = {"dpo loss": metric(loss), "reward accuracy": metric(chosen > rejected),
-              "reward margin": metric(chosen - rejected), "chosen nll": metric(-logps[:, 0]),
-              "rejected nll": metric(-logps[:, 1])}
+    n, report = pair_report(**{"dpo loss": loss, "reward accuracy": chosen > rejected,
+                               "reward margin": chosen - rejected, "chosen nll": -logps[:, 0],
+                               "rejected nll": -logps[:, 1]})
     return total, n, report
 
 

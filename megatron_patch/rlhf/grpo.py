@@ -119,7 +119,7 @@ def save_hf(model, cfg: dict, tokenizer_dir: str, out: str, tp: int) -> None:
 
 def train(args) -> dict:
     from megatron_patch.generate import _prompts
-    from megatron_patch.inference import DTYPES, load_model
+    from megatron_patch.inference import DTYPES, generate, load_model
     from megatron_patch.tokenizer import build_tokenizer
     from toolkits._cli import is_first_rank
 
@@ -141,15 +141,15 @@ def train(args) -> dict:
     device = next(policy.parameters()).device
     history, start = [], time.time()
     for step in range(args.steps):
-        picks = [(step * args.prompts_per_step + i) % len(prompt_ids) for i in range(args.prompts_per_step)]
-        prompts = [prompt_ids[i] for i in picks for _ in range(args.group_size)]
+        # each prompt `group_size` times in a row: the groups whose rewards are normalised together
+        rows = [(step * args.prompts_per_step + i) % len(prompt_ids) for i in range(args.prompts_per_step)
+                for _ in range(args.group_size)]
+        prompts = [prompt_ids[i] for i in rows]
         policy.eval()
-        from megatron_patch.inference import generate
-
         completions = generate(policy, tokenizer, prompts, args.max_new_tokens, args.temperature, 0, args.top_p,
                                seed=args.seed + step, max_batch_size=len(prompts), stop_id=tokenizer.eod)
         rewards = torch.tensor([float(reward_fn(texts[i], tokenizer.detokenize([t for t in c if t != tokenizer.eod])))
-                                for i, c in zip([i for i in picks for _ in range(args.group_size)], completions)])
+                                for i, c in zip(rows, completions)])
         advantages = group_advantages(rewards, args.group_size).to(device)
         tokens, labels, mask = batch_of(prompts, completions, tokenizer.pad, device)
         with torch.no_grad():

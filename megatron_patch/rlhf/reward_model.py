@@ -21,16 +21,13 @@ import torch
 def pairwise_loss(lengths: torch.Tensor, output: torch.Tensor):
     """Megatron's loss-function protocol: (sum over pairs, number of pairs, metrics as [sum, count])."""
     from megatron_patch.models.reward import sequence_values
+    from megatron_patch.rlhf.common import pair_report
 
     values = sequence_values(output.float(), lengths).view(-1, 2)
     diff = values[:, 0] - values[:, 1]
-    loss = -torch.nn.functional.logsigmoid(diff).sum()
-    n = torch.tensor(diff.numel(), device=diff.device, dtype=torch.int)
-    count = n.float().view(1)
-    report = {"rm loss": torch.cat([loss.detach().view(1), count]),
-              "accuracy": torch.cat([(diff > 0).sum().float().view(1), count]),
-              "margin": torch.cat([diff.detach().sum().view(1), count])}
-    return loss, n, report
+    per_pair = -torch.nn.functional.logsigmoid(diff)
+    n, report = pair_report(**{"rm loss": per_pair, "accuracy": diff > 0, "margin": diff})
+    return per_pair.sum(), n, report
 
 
 def forward_step(data_iterator, model):

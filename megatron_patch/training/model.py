@@ -39,9 +39,11 @@ def fuse_te_wgrad(model, wanted: bool) -> int:
     Apex: TE accumulates weight gradients straight into the optimizer's fp32 `main_grad` buffer itself.
     Megatron ties the switch for all layers to Apex being installed (its output layer needs Apex), which
     would turn TE's fusion off too. Returns the number of TE layers switched on."""
+    if not wanted:
+        return 0
     n = 0
     for module in model.modules():
-        if wanted and hasattr(module, "fuse_wgrad_accumulation") and not module.fuse_wgrad_accumulation:
+        if hasattr(module, "fuse_wgrad_accumulation") and not module.fuse_wgrad_accumulation:
             module.fuse_wgrad_accumulation = True
             n += 1
     return n
