@@ -129,6 +129,23 @@ def install_training() -> None:
         training.initialize_megatron = init
 
 
+def record_train_steps() -> list[dict]:
+    """The metrics megatron.training's `train_step` returns, one dict per iteration (the loss megatron
+    reduced over the global batch; its printed log averages the first two iterations together), appended
+    to the returned list as training runs in this process."""
+    from megatron.training import training
+
+    logged, train_step = [], training.train_step
+
+    def record_step(*args, **kwargs):
+        out = train_step(*args, **kwargs)
+        logged.append({k: float(v) for k, v in out[0].items()})
+        return out
+
+    training.train_step = record_step
+    return logged
+
+
 def init_model_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, ep: int = 1, etp: int | None = None) -> None:
     """(Re)initialise megatron's model-parallel groups inside a running world, with the RNG
     tracker megatron-core needs (`tensor_parallel/random.py`: the inference tracker never touches

@@ -15,27 +15,20 @@ from tests.test_pretrain import _argv, data  # noqa: F401  (the corpus fixture)
 
 def _run(rank: int, argv: list[str]) -> dict:
     _cpu.install_training()
-    from megatron.training import training
-
     from megatron_patch.pretrain import main
     from megatron_patch.training import gpt
 
-    logged, batches, train_step, get_batch = [], [], training.train_step, gpt.get_batch
-
-    def record_step(*args, **kwargs):
-        out = train_step(*args, **kwargs)
-        logged.append(float(out[0]["lm loss"]))
-        return out
+    logged, batches, get_batch = _cpu.record_train_steps(), [], gpt.get_batch
 
     def record_batch(it):
         batch = get_batch(it)
         batches.append({k: batch[k].clone() for k in ("tokens", "labels", "loss_mask")})
         return batch
 
-    training.train_step, gpt.get_batch = record_step, record_batch
+    gpt.get_batch = record_batch
     with contextlib.redirect_stdout(io.StringIO()):
         main(argv)
-    return {"losses": logged, "first_batches": batches[:2]}
+    return {"losses": [r["lm loss"] for r in logged], "first_batches": batches[:2]}
 
 
 def _hf_folder(root, variant: str) -> str:

@@ -45,16 +45,7 @@ def _train(rank: int, entry: str, argv: list[str]) -> dict:
     _cpu.install_training()
     import importlib
 
-    from megatron.training import training
-
-    logged, train_step = [], training.train_step
-
-    def record_step(*args, **kwargs):
-        out = train_step(*args, **kwargs)
-        logged.append({k: float(v) for k, v in out[0].items()})
-        return out
-
-    training.train_step = record_step
+    logged = _cpu.record_train_steps()
     with contextlib.redirect_stdout(io.StringIO()):
         importlib.import_module(f"megatron_patch.rlhf.{entry}").main(argv)
     return {"logged": logged}

@@ -93,21 +93,11 @@ def _run(rank: int, argv: list[str]) -> dict:
         sums.append((out[0].item(), out[1].item()))
         return out
 
-    from megatron.training import training
-
-    # the loss megatron reduced for each iteration (its printed log averages the first two iterations
-    # together: training_log keeps iteration 1 in its running total)
-    reduced, train_step = [], training.train_step
-
-    def record_step(*args, **kwargs):
-        out = train_step(*args, **kwargs)
-        reduced.append(float(out[0]["lm loss"]))
-        return out
-
-    gpt.loss_func, training.train_step = record, record_step
+    gpt.loss_func = record
+    reduced = _cpu.record_train_steps()
     with contextlib.redirect_stdout(io.StringIO()):
         sft.main(argv)
-    return {"sums": sums, "logged": dict(enumerate(reduced, 1))}
+    return {"sums": sums, "logged": dict(enumerate((r["lm loss"] for r in reduced), 1))}
 
 
 def test_sft_end_to_end_with_packing(tmp_path):

@@ -10,7 +10,7 @@ the tokens must be identical unless HF's top-2 margin at the first differing ste
 below 0.5 (bf16's logit noise on this model, same table)."""
 
 import gzip
-import os
+import json
 
 import pytest
 import torch
@@ -23,13 +23,11 @@ STEPS = 32
 MARGIN = {torch.float32: 0.05, torch.bfloat16: 0.5}
 
 
-def trained_hf_folder(path: str, steps: int = 400, device: str = "cuda") -> tuple[str, list[list[int]]]:
-    """A small LLaMA trained briefly on the corpus, saved with the tiny tokenizer; and 5 prompts."""
+def trained_hf_folder(path: str, steps: int = 400, device: str = "cuda") -> tuple[str, list[list[int]], float]:
+    """A small LLaMA trained briefly on the corpus, saved with the tiny tokenizer; 5 prompts; the last loss."""
     from megatron_patch.conversion.hf_io import copy_side_files
     from megatron_patch.tokenizer import CORPUS, TINY_TOKENIZER, build_tokenizer
     from tests.models import hf_model, llama_config
-
-    import json
 
     tok = build_tokenizer(TINY_TOKENIZER)
     with gzip.open(CORPUS, "rt") as f:

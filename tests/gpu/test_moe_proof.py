@@ -1,26 +1,16 @@
 """The mixture-of-experts proof on the GPU machine (tests/gpu/moe_proof.py; two GPUs for EP=2)."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from tests.gpu.test_te import HAVE_TE, _record
+from tests.gpu.test_te import HAVE_TE, run_proof
 
 pytestmark = pytest.mark.skipif(not HAVE_TE or torch.cuda.device_count() < 2,
                                 reason="needs two CUDA GPUs and Transformer Engine")
 
 
 def test_mixtral_grouped_gemm_and_expert_parallel_training(tmp_path):
-    out = os.environ.get("MOE_PROOF_DIR", str(tmp_path))
-    script = os.path.join(os.path.dirname(__file__), "moe_proof.py")
-    p = subprocess.run([sys.executable, script, out], capture_output=True, text=True, timeout=1200)
-    assert p.returncode == 0, p.stderr[-4000:]
-    report = json.load(open(os.path.join(out, "moe_proof.json")))
-    _record(test="moe_proof", **{k: v for k, v in report.items() if k != "losses"})
+    report = run_proof("moe_proof", tmp_path, timeout=1200)
     te = report["te_vs_sequential"]
     # fp32: TE's GEMMs run in TF32 (the dense families show up to ~3e-2 on logits of this size)
     assert te["float32"]["te_grouped_vs_local_sequential"] <= 5e-2 and te["float32"]["local_vs_hf"] <= 1e-3

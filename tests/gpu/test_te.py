@@ -31,6 +31,21 @@ def _record(**row):
         f.write(json.dumps(row) + "\n")
 
 
+def run_proof(name: str, tmp_path, timeout: int) -> dict:
+    """Run the proof script tests/gpu/NAME.py into $NAME_DIR (default tmp_path), record its JSON report
+    (without the per-iteration losses) and return it."""
+    import subprocess
+    import sys
+
+    out = os.environ.get(f"{name.upper()}_DIR", str(tmp_path))
+    script = os.path.join(os.path.dirname(__file__), f"{name}.py")
+    p = subprocess.run([sys.executable, script, out], capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, p.stderr[-4000:]
+    report = json.load(open(os.path.join(out, f"{name}.json")))
+    _record(test=name, **{k: v for k, v in report.items() if k != "losses"})
+    return report
+
+
 @pytest.fixture(scope="module")
 def world():
     from megatron_patch.models.family import ensure_model_parallel

@@ -1,24 +1,14 @@
 """The training proof on the GPU machine (tests/gpu/train_proof.py); figures in docs/gpu_results.md."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
-from tests.gpu.test_te import HAVE_TE, _record
+from tests.gpu.test_te import HAVE_TE, run_proof
 
 pytestmark = pytest.mark.skipif(not HAVE_TE, reason="needs a CUDA GPU and Transformer Engine")
 
 
 def test_pretrain_bf16_fp8_resume_and_layouts(tmp_path):
-    out = os.environ.get("TRAIN_PROOF_DIR", str(tmp_path))
-    script = os.path.join(os.path.dirname(__file__), "train_proof.py")
-    p = subprocess.run([sys.executable, script, out], capture_output=True, text=True, timeout=1800)
-    assert p.returncode == 0, p.stderr[-4000:]
-    report = json.load(open(os.path.join(out, "train_proof.json")))
-    _record(test="train_proof", **{k: v for k, v in report.items() if k != "losses"})
+    report = run_proof("train_proof", tmp_path, timeout=1800)
     assert all(r["rc"] == 0 for r in report["runs"].values()), report["runs"]
     for key in ("bf16_loss_1_10_last10", "fp8_loss_1_10_last10"):
         first, last = report[key]
