@@ -109,7 +109,9 @@ def _cpu_cuda_calls() -> Callable[[], None] | None:
     `verify` run there):
     - `megatron/core/models/common/embeddings/rotary_pos_embedding.py` (`RotaryEmbedding.get_emb`)
       moves `inv_freq` to `torch.cuda.current_device()` on every forward, even for a model built
-      with `use_cpu_initialization=True`: here `current_device()` answers "cpu".
+      with `use_cpu_initialization=True`: here `current_device()` answers "cpu". Multi-latent
+      attention (`transformer/multi_latent_attention.py`) builds its rotary embedding without passing
+      `use_cpu_initialization`, so the same call is made at construction (DeepSeek; `build_model`).
     - `megatron/core/dist_checkpointing/strategies/filesystem_async.py` (`preload_tensors`) calls
       `torch.cuda.synchronize()` before writing: with no GPU there is nothing to wait for, so it
       becomes a no-op.

@@ -300,7 +300,10 @@ def torch_dist_info(step_dir: str) -> tuple[torch.dtype, int, Namespace | None, 
     if md is None or not hasattr(md, "properties"):
         raise ConversionError(f"{step_dir}: no embedding.word_embeddings.weight in the checkpoint")
     common = dist_checkpointing.load_common_state_dict(step_dir)
-    qkv = meta.state_dict_metadata.get("decoder.layers.self_attention.linear_qkv.weight")
+    # layers are stacked under one key, except in per-layer specs (mixture-of-experts models)
+    qkv = next((meta.state_dict_metadata[k] for k in ("decoder.layers.self_attention.linear_qkv.weight",
+                                                      "decoder.layers.0.self_attention.linear_qkv.weight")
+                if k in meta.state_dict_metadata), None)
     qkv_rows = int(qkv.size[-2]) if qkv is not None and hasattr(qkv, "size") else None
     return md.properties.dtype, int(md.size[0]), common.get("args"), qkv_rows
 
@@ -617,7 +620,9 @@ def load_megatron_model(ckpt_dir: str, tp: int = 1, pp: int = 1, impl: str | Non
                          f"conversion (toolkits.checkpoint_converter mcore-to-mcore --impl {impl})")
     ensure_model_parallel(tp, pp, ep)
     # torch_dist is loaded as stored (its kv-head replication included); legacy goes through HF tensors
-    groups = {"num_query_groups": ckpt.num_query_groups} if ckpt.format == "torch_dist" else {}
+    # (multi-latent attention has no query groups to keep)
+    groups = ({"num_query_groups": ckpt.num_query_groups}
+              if ckpt.format == "torch_dist" and ckpt.num_query_groups is not None else {})
     model = build_model(ckpt.hf_config, tp, pp, impl=impl, dtype=dtype,
                         padded_vocab_size=ckpt.padded_vocab_size, perform_initialization=False, ep=ep, **groups)
     if ckpt.format == "torch_dist":

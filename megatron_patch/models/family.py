@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 import torch
 
+from megatron_patch import patches
 from megatron_patch.models.mappings import Drop, Mapping, Shapes
 
 Impl = Literal["local", "transformer_engine"]
@@ -245,7 +246,9 @@ def build_model(hf_config: Any, tp: int = 1, pp: int = 1, impl: Impl = "local",
         pre_process = ps.is_pipeline_first_stage()
     if post_process is None:
         post_process = ps.is_pipeline_last_stage()
-    model = gpt_model(hf_config, config, padded_vocab_size or shapes.padded_vocab_size, pre_process, post_process)
+    with patches.applied("cpu_cuda_calls"):  # MLA builds its rotary embedding on current_device()
+        model = gpt_model(hf_config, config, padded_vocab_size or shapes.padded_vocab_size, pre_process,
+                          post_process)
     if dtype != torch.float32:
         # torch norms (local spec without Apex) are built in fp32 whatever params_dtype says;
         # megatron.training casts the same way (Float16Module)
