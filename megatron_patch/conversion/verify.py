@@ -117,6 +117,15 @@ def default_tolerance(dtype: torch.dtype, impl: str) -> float:
     return 1.0
 
 
+def exact_routing(model) -> None:
+    """Route a mixture-of-experts model in fp64 (no-op for dense models). megatron-core computes router
+    logits with Transformer Engine's GEMM whenever TE is installed, whatever the layer spec: TF32 for
+    fp32 inputs, which moves fp32 logits by ~5e-4 and can flip near-tied expert choices; fp64 routing
+    takes `torch.mm` instead (measured on an H200: tests/gpu/RESULTS.md). For fp32 parity checks."""
+    if model.config.num_moe_experts:
+        model.config.moe_router_dtype = "fp64"
+
+
 def verify(hf_dir: str, mcore_dir: str, tp: int = 1, pp: int = 1, dtype: torch.dtype = torch.float32,
            tolerance: float | None = None, impl: str | None = None, hf_config: str | None = None,
            trust_remote_code: bool = False) -> dict:
@@ -129,6 +138,8 @@ def verify(hf_dir: str, mcore_dir: str, tp: int = 1, pp: int = 1, dtype: torch.d
     from megatron_patch.models import Layout, get_family
 
     vocab = get_family(config).shapes(config, Layout()).vocab_size
+    if dtype == torch.float32:
+        exact_routing(model)
     ids = fixed_prompts(vocab)
     result = compare(hf_logits(hf_dir, ids, dtype, trust_remote_code), megatron_logits(model, ids, vocab))
     run_impl = model.config.transformer_impl

@@ -14,7 +14,9 @@ pytestmark = pytest.mark.skipif(not HAVE_TE, reason="needs a CUDA GPU and Transf
 
 VARIANTS = ["qwen3", "mistral_swa", "starcoder2", "starcoder2_swa", "glm", "glm4", "chatglm2", "qwen1",
             "baichuan2", "internlm2", "yi", "bloom", "bloom_6heads", "starcoder", "starcoder_mha", "baichuan2_13b",
-            "falcon_7b", "falcon_40b", "falcon_11b", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3"]
+            "falcon_7b", "falcon_40b", "falcon_11b"]
+MOE = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3"]
+VARIANTS += MOE
 
 
 @pytest.fixture(scope="module")
@@ -24,14 +26,16 @@ def world():
     ensure_model_parallel(1, 1)
 
 
-def _logits(c, impl, dtype, ids):
+def _logits(c, impl, dtype, ids, exact=True):
     from megatron_patch.conversion.engine import hf_to_megatron, load_rank_state_dict, make_plan
-    from megatron_patch.conversion.verify import megatron_logits
+    from megatron_patch.conversion.verify import exact_routing, megatron_logits
     from megatron_patch.models import Layout, build_model
 
     ranks = hf_to_megatron(make_plan(c.cfg, Layout(), impl), c.sd.__getitem__, c.sd.keys())
     model = build_model(c.cfg, impl=impl, dtype=dtype).eval()
     load_rank_state_dict(model, ranks[(0, 0, 0)])
+    if exact and dtype == torch.float32:
+        exact_routing(model)  # as `verify` does: fp64 router logits, not TE's TF32 GEMM
     return megatron_logits(model, ids, c.vocab_size), model
 
 
@@ -51,6 +55,8 @@ def test_family_te_matches_local_and_reference(world, variant):
         ref_tf32 = ref_model(ids.cuda()).logits.float().cpu()
         torch.backends.cuda.matmul.allow_tf32 = False
     local, _ = _logits(c, "local", torch.float32, ids)
+    # megatron-core's default fp32 routing (router GEMM through TE, TF32): recorded, not asserted
+    local_te_router = _logits(c, "local", torch.float32, ids, exact=False)[0] if variant in MOE else None
     te, te_model = _logits(c, "transformer_engine", torch.float32, ids)
     local16, _ = _logits(c, "local", torch.bfloat16, ids)
     te16, _ = _logits(c, "transformer_engine", torch.bfloat16, ids)
@@ -60,6 +66,7 @@ def test_family_te_matches_local_and_reference(world, variant):
     row = dict(test="family_te", variant=variant, local_vs_hf=compare(ref, local), te_vs_hf=compare(ref, te),
                tf32_noise=compare(ref, ref_tf32), te_vs_local_bf16=compare(local16, te16),
                bf16_local_vs_hf=compare(ref, local16), logit_std=ref.std().item(),
+               local_te_router_vs_hf=None if local_te_router is None else compare(ref, local_te_router),
                te_names_missing=sorted(theirs - ours), te_names_unexpected=sorted(ours - theirs))
     _record(**row)
     assert row["local_vs_hf"]["max_abs_logit_diff"] <= 1e-4
