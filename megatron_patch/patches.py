@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
+from torch.overrides import TorchFunctionMode
 
 
 @dataclass
@@ -95,6 +96,31 @@ class _NoTimingEvent:
         return 0.0
 
 
+def _is_cuda(dev) -> bool:
+    return dev is not None and not isinstance(dev, int) and str(dev).startswith("cuda")
+
+
+class CudaTensorsOnCpu(TorchFunctionMode):
+    """Tensors megatron-core puts on "cuda" stay on the CPU: `.cuda()`, `.to("cuda")` and
+    `device="cuda"` (the inference controller's token buffers, the pipeline schedules' counters, the
+    tied output weight before its all-reduce). `report_cuda_types`: `Tensor.type()` answers
+    torch.cuda.* (megatron.training's optimizer checks it; set by the CPU test harness)."""
+
+    report_cuda_types = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and self.report_cuda_types and len(args) == 1 and not kwargs:
+            return func(*args).replace("torch.", "torch.cuda.", 1)
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        return func(*args, **kwargs)
+
+
 def _sliding_window_mask_on_cpu(sq: int, skv: int, window_size: tuple[int, int]) -> torch.Tensor:
     """True = masked: keys outside [i - left, i + right] (offset by skv - sq), as megatron-core's."""
     keep = torch.ones(sq, skv, dtype=torch.bool).triu(skv - sq - window_size[0]).tril(skv - sq + window_size[1])
@@ -120,7 +146,9 @@ def _cpu_cuda_calls() -> Callable[[], None] | None:
       name imported by `megatron/core/fusions/fused_softmax.py` is pointed at the same mask built on
       the CPU.
     - `megatron/core/inference/text_generation_controllers/text_generation_controller.py` times every
-      generation step with `torch.cuda.Event(enable_timing=True)`: a no-op event stands in.
+      generation step with `torch.cuda.Event(enable_timing=True)`: a no-op event stands in; and it
+      moves its token buffers with `.cuda()`: `CudaTensorsOnCpu` (a torch function mode, entered for
+      as long as the patch is active) keeps every tensor megatron-core sends to "cuda" on the CPU.
     Does nothing when CUDA is available."""
     if torch.cuda.is_available():
         return None
@@ -132,8 +160,11 @@ def _cpu_cuda_calls() -> Callable[[], None] | None:
     torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
     fused_softmax.get_sliding_window_causal_mask = _sliding_window_mask_on_cpu
     torch.cuda.Event = _NoTimingEvent  # type: ignore[assignment,misc]
+    mode = CudaTensorsOnCpu()
+    mode.__enter__()
 
     def undo() -> None:
+        mode.__exit__(None, None, None)
         (torch.cuda.current_device, torch.cuda.synchronize, fused_softmax.get_sliding_window_causal_mask,
          torch.cuda.Event) = originals
 

@@ -18,34 +18,8 @@ import types
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.overrides import TorchFunctionMode
 
 from megatron_patch import patches
-
-
-def _is_cuda(dev) -> bool:
-    return dev is not None and not isinstance(dev, int) and str(dev).startswith("cuda")
-
-
-class _CudaDeviceToCpu(TorchFunctionMode):
-    """`megatron/core/pipeline_parallel/schedules.py` builds `torch.zeros([], device="cuda")`
-    (token counters) in every schedule, and `models/common/language_module/language_module.py`
-    moves the tied output weight with `.cuda()` before its all-reduce: keep everything on the CPU."""
-
-    report_cuda_types = False  # Tensor.type() says torch.cuda.* (megatron's optimizer checks it)
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.Tensor.cuda:
-            return args[0]
-        if func is torch.Tensor.type and self.report_cuda_types and len(args) == 1 and not kwargs:
-            return func(*args).replace("torch.", "torch.cuda.", 1)
-        if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
-            args = (args[0], "cpu", *args[2:])
-        dev = kwargs.get("device")
-        if _is_cuda(dev):
-            kwargs["device"] = "cpu"
-        return func(*args, **kwargs)
 
 
 class _DummyStream:
@@ -56,7 +30,6 @@ class _DummyStream:
         pass
 
 
-_MODE: _CudaDeviceToCpu | None = None
 _FAKE_CUDA_RNG = [torch.Generator().manual_seed(0).get_state()]
 
 
@@ -74,10 +47,11 @@ def _seed_fake_cuda_rng(seed: int) -> None:
 
 def install() -> None:
     """Apply the CPU redirects (idempotent)."""
-    global _MODE
     # `torch.cuda.current_device` (rotary_pos_embedding.py, tensor_parallel/layers.py,
     # pipeline_parallel/p2p_communication.py) and `torch.cuda.synchronize` (p2p_communication.py,
-    # dist_checkpointing/strategies/filesystem_async.py): the library's named patch covers both.
+    # dist_checkpointing/strategies/filesystem_async.py), and tensors sent to "cuda" (`.cuda()`,
+    # `device="cuda"`: pipeline schedules' token counters, the tied output weight's all-reduce, the
+    # inference controller): the library's named patch covers them (`patches.CudaTensorsOnCpu`).
     patches.apply("cpu_cuda_calls")
     # `torch.cuda.current_stream` / `torch.cuda.stream` (distributed/distributed_data_parallel.py,
     # param and grad buffers): no streams on CPU.
@@ -97,9 +71,6 @@ def install() -> None:
     # The default causal mask of `megatron/core/transformer/utils.py` is built on "cuda": tests
     # always pass an explicit boolean mask instead (megatron_patch.conversion.verify.causal_mask).
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    if _MODE is None:
-        _MODE = _CudaDeviceToCpu()
-        _MODE.__enter__()
 
 
 def install_training() -> None:
@@ -109,7 +80,7 @@ def install_training() -> None:
     from megatron.training import training
 
     install()
-    _MODE.report_cuda_types = True
+    patches.CudaTensorsOnCpu.report_cuda_types = True
     # validate_args asks the device generation for TP > 1 (sequence-parallel / comm-overlap rules)
     torch.cuda.get_device_properties = lambda device=None: types.SimpleNamespace(  # type: ignore[assignment]
         major=9, minor=0, name="cpu", total_memory=0, multi_processor_count=1)

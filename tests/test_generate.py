@@ -49,6 +49,26 @@ def test_greedy_equals_transformers_generate(setup, capsys):
     assert summary["prompts"] == 3
 
 
+def test_cli_in_a_plain_process_equals_the_in_process_run(setup):
+    """As a user runs it on a CPU machine: a fresh process without the test harness's CUDA redirects
+    (megatron's inference controller moves its buffers with `.cuda()`; the library's `cpu_cuda_calls`
+    patch keeps them on the CPU). Same tokens as the greedy run checked against transformers above."""
+    import os
+    import subprocess
+    import sys
+
+    from megatron_patch.generate import main
+
+    root, _, mc = setup
+    argv = ["--mcore-dir", mc, "--prompts", str(root / "prompts.jsonl"), "--greedy", "--max-new-tokens", "12"]
+    assert main([*argv, "--out", str(root / "in_process.jsonl")]) == 0
+    p = subprocess.run([sys.executable, "-m", "megatron_patch.generate", *argv, "--out", str(root / "plain.jsonl")],
+                       capture_output=True, text=True, env={**os.environ, "TORCHDYNAMO_DISABLE": "1"}, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert ([r["generated_tokens"] for r in _rows(root / "plain.jsonl")]
+            == [r["generated_tokens"] for r in _rows(root / "in_process.jsonl")])
+
+
 def test_sampling_is_reproducible(setup):
     from megatron_patch.generate import main
 
