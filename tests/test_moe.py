@@ -74,6 +74,42 @@ def test_exact_routing_is_fp64_in_every_router_and_keeps_parity(cpu_megatron, va
     assert compare(ref, ours)["max_abs_logit_diff"] <= 1e-5
 
 
+@pytest.mark.parametrize("variant", MOE)
+def test_torch_dist_keys_are_transformer_engines(cpu_megatron, variant):
+    """A torch_dist checkpoint holds the same keys whichever implementation wrote it: the local
+    model's sharded keys equal Transformer Engine's (its state-dict names, checked against real TE
+    models on the GPU, with the grouped experts' weight{j} stacked as megatron-core stores them)."""
+    import re
+
+    c = case(variant)
+    ours = {sh.key for name, sh in build_model(c.cfg).sharded_state_dict().items() if not name.endswith("_extra_state")}
+    te = {re.sub(r"mlp\.experts\.linear_fc(\d)\.weight\d+$", r"mlp.experts.experts.linear_fc\1.weight", n)
+          for n in make_plan(c.cfg, Layout(), "transformer_engine").megatron_names(0)}
+    assert ours == te, (sorted(ours - te)[:6], sorted(te - ours)[:6])
+
+
+@pytest.mark.parametrize("variant", ["mixtral", "deepseek_v3", "qwen3"])
+def test_torch_dist_for_transformer_engine_holds_its_extra_states(cpu_megatron, tmp_path, variant):
+    """megatron-core loads every `_extra_state` object a TE model asks for (found on the GPU: a TE
+    checkpoint without the final norm's failed to load), so a checkpoint converted for TE holds one for
+    each TE module, per layer (MoE) or stacked over layers (dense, e.g. Qwen3's q/k norms)."""
+    import re
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from megatron_patch.conversion.engine import extra_state_names
+    from megatron_patch.conversion.mcore_io import checkpoint_step_dir
+
+    c = case(variant)
+    hf, out = save_case(c, str(tmp_path / "hf")), str(tmp_path / "mc")
+    assert main(["hf-to-mcore", "--hf-dir", hf, "--out", out, "--impl", "transformer_engine"]) == 0
+    stored = {k.split("/shard_")[0] for k in FileSystemReader(checkpoint_step_dir(out)).read_metadata().state_dict_metadata}
+    names = extra_state_names(make_plan(c.cfg, Layout(), "transformer_engine"), 0)
+    keys = names if variant in MOE else {re.sub(r"^decoder\.layers\.\d+\.", "decoder.layers.", n) for n in names}
+    assert keys <= stored, sorted(keys - stored)[:6]
+    assert "decoder.final_layernorm._extra_state" in stored
+
+
 @pytest.mark.parametrize("variant", ["mixtral", "deepseek_v3"])
 def test_converter_cli_converts_and_verifies_in_a_plain_process(tmp_path, variant):
     """The CLI as a user runs it on a CPU machine: fresh processes, none of the test harness's CUDA

@@ -160,6 +160,27 @@ def _template(plan: Plan, dtype: torch.dtype) -> dict:
     return model.sharded_state_dict()
 
 
+def _with_te_extra_states(plan: Plan, sharded: dict) -> dict:
+    """The template plus the `_extra_state` objects a Transformer Engine model has and the local one
+    lacks (norms TE does not fuse into a linear: final, MoE pre-MLP, MLA input, q/k). megatron-core
+    loads every object a model asks for, so a checkpoint meant for TE must hold them; like the local
+    linears' they are empty (no FP8 state yet). Keyed as the template's layers are (stacked or per layer)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    te = make_plan(plan.hf_config, Layout(1, 1), "transformer_engine", plan.family, plan.shapes.padded_vocab_size,
+                   plan.shapes.num_query_groups)
+    out = dict(sharded)
+    for name in sorted(extra_state_names(te, 0) - set(sharded)):
+        key, shape, offset = name, (1,), (0,)
+        m = re.match(r"decoder\.layers\.(\d+)\.(.*)", name)
+        if m:
+            ref = next(e for n, e in sharded.items() if n.startswith(f"decoder.layers.{m[1]}.") and isinstance(e, ShardedObject))
+            if not ref.key.startswith(f"decoder.layers.{m[1]}."):  # layers stacked under one key
+                key, shape, offset = f"decoder.layers.{m[2]}", ref.global_shape, ref.global_offset
+        out[name] = ShardedObject(key, None, shape, offset, replica_id=0)
+    return out
+
+
 def expected_shapes(plan: Plan, sharded: dict | None = None) -> dict[str, tuple[int, ...]]:
     """Canonical name -> unsharded shape, from a meta TP=PP=1 model of the plan's config (or its
     already-built sharded state dict)."""
@@ -184,6 +205,8 @@ def save_torch_dist(plan: Plan, get: Callable[[str], Tensor], hf_keys: Iterable[
     check_hf_keys(flat, hf_keys)
     sharded = _template(flat, dtype)
     expected = expected_shapes(flat, sharded)
+    if plan.impl == "transformer_engine":
+        sharded = _with_te_extra_states(flat, sharded)
     placements = {pl.name: pl for pl in flat.placements()}
     if set(placements) != set(expected):
         raise ConversionError(f"weight map and model disagree: {_names(set(placements) ^ set(expected))}")
