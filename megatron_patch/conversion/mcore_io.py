@@ -81,9 +81,10 @@ _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 # shared
 
 
-def _flat_plan(plan: Plan) -> Plan:
-    """The same conversion at TP=PP=1, keeping the plan's vocab padding (torch_dist is unsharded)."""
-    return make_plan(plan.hf_config, Layout(1, 1), "local", plan.family, plan.shapes.padded_vocab_size,
+def _flat_plan(plan: Plan, impl: str = "local") -> Plan:
+    """The same conversion at TP=PP=1, keeping the plan's vocab padding (torch_dist is unsharded); in
+    the local naming unless `impl` says otherwise."""
+    return make_plan(plan.hf_config, Layout(1, 1), impl, plan.family, plan.shapes.padded_vocab_size,
                      plan.shapes.num_query_groups)
 
 
@@ -167,16 +168,19 @@ def _with_te_extra_states(plan: Plan, sharded: dict) -> dict:
     linears' they are empty (no FP8 state yet). Keyed as the template's layers are (stacked or per layer)."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    te = make_plan(plan.hf_config, Layout(1, 1), "transformer_engine", plan.family, plan.shapes.padded_vocab_size,
-                   plan.shapes.num_query_groups)
+    layer = re.compile(r"decoder\.layers\.(\d+)\.(.*)")
+    layer_object = {}  # layer number -> one of the template's objects in that layer (its key shows the stacking)
+    for name, entry in sharded.items():
+        m = layer.match(name)
+        if m and isinstance(entry, ShardedObject):
+            layer_object.setdefault(m[1], entry)
     out = dict(sharded)
-    for name in sorted(extra_state_names(te, 0) - set(sharded)):
+    for name in sorted(extra_state_names(_flat_plan(plan, "transformer_engine"), 0) - set(sharded)):
         key, shape, offset = name, (1,), (0,)
-        m = re.match(r"decoder\.layers\.(\d+)\.(.*)", name)
-        if m:
-            ref = next(e for n, e in sharded.items() if n.startswith(f"decoder.layers.{m[1]}.") and isinstance(e, ShardedObject))
-            if not ref.key.startswith(f"decoder.layers.{m[1]}."):  # layers stacked under one key
-                key, shape, offset = f"decoder.layers.{m[2]}", ref.global_shape, ref.global_offset
+        m = layer.match(name)
+        if m and not layer_object[m[1]].key.startswith(f"decoder.layers.{m[1]}."):  # layers stacked under one key
+            ref = layer_object[m[1]]
+            key, shape, offset = f"decoder.layers.{m[2]}", ref.global_shape, ref.global_offset
         out[name] = ShardedObject(key, None, shape, offset, replica_id=0)
     return out
 
