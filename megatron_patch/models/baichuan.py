@@ -29,7 +29,6 @@ class BaichuanFamily(DenseDecoder):
     architectures = ("BaiChuanForCausalLM", "BaichuanForCausalLM")
     model_type = "baichuan"
     remote_code = True
-    remote_code = True
     names = DenseNames(qkv="self_attn.W_pack")
 
     def translate(self, config: dict) -> dict:

@@ -60,7 +60,6 @@ class ChatGLMFamily(GlmFamily):
     architectures = ("ChatGLMModel", "ChatGLMForConditionalGeneration")
     model_type = "chatglm"
     remote_code = True
-    remote_code = True
     names = DenseNames(
         embed="transformer.embedding.word_embeddings",
         layer="transformer.encoder.layers.{layer}.",

@@ -22,7 +22,6 @@ class InternLM2Family(DenseDecoder):
     architectures = ("InternLM2ForCausalLM",)
     model_type = "internlm2"
     remote_code = True
-    remote_code = True
     names = DenseNames(
         embed="model.tok_embeddings", input_norm="attention_norm", qkv="attention.wqkv", qkv_grouped=True,
         attn_out="attention.wo", pre_mlp_norm="ffn_norm", mlp_in=("feed_forward.w1", "feed_forward.w3"),

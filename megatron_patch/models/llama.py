@@ -25,7 +25,6 @@ class YiFamily(LlamaFamily):
     architectures = ("YiForCausalLM",)
     model_type = "Yi"
     remote_code = True
-    remote_code = True
     names = DenseNames(input_norm="ln1", pre_mlp_norm="ln2")
 
 

@@ -70,7 +70,6 @@ class Qwen1Family(DenseDecoder):
     architectures = ("QWenLMHeadModel",)
     model_type = "qwen"
     remote_code = True
-    remote_code = True
     names = DenseNames(
         embed="transformer.wte", layer="transformer.h.{layer}.", input_norm="ln_1", qkv="attn.c_attn",
         attn_out="attn.c_proj", pre_mlp_norm="ln_2", mlp_in=("mlp.w2", "mlp.w1"), mlp_out="mlp.c_proj",
