@@ -103,7 +103,7 @@ def evaluate(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     from megatron_patch.inference import add_model_args
-    from toolkits._cli import run
+    from megatron_patch.cli import run
 
     p = argparse.ArgumentParser(prog="python -m megatron_patch.evaluate", description=__doc__.split("\n")[0])
     add_model_args(p)

@@ -64,7 +64,7 @@ class _Printer:
 
 def run(args) -> dict:
     from megatron_patch.inference import generate, model_and_tokenizer
-    from toolkits._cli import is_first_rank
+    from megatron_patch.cli import is_first_rank
 
     prompts: list = []
     model, _, tokenizer = model_and_tokenizer(args, lambda tok: prompts.extend(_prompts(args, tok)))
@@ -96,7 +96,7 @@ def run(args) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     from megatron_patch.inference import add_model_args
-    from toolkits._cli import run as run_tool
+    from megatron_patch.cli import run as run_tool
 
     p = argparse.ArgumentParser(prog="python -m megatron_patch.generate", description=__doc__.split("\n")[0])
     add_model_args(p)

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import numpy
-from toolkits._cli import run
+from megatron_patch.cli import run
 
 if TYPE_CHECKING:  # imported on use: megatron-core's import is slow and noisy, main() quiets it first
     from megatron_patch.tokenizer import Tokenizer

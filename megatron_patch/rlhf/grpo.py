@@ -121,7 +121,7 @@ def train(args) -> dict:
     from megatron_patch.generate import _prompts
     from megatron_patch.inference import DTYPES, generate, load_model
     from megatron_patch.tokenizer import build_tokenizer
-    from toolkits._cli import is_first_rank
+    from megatron_patch.cli import is_first_rank
 
     if args.out and os.path.exists(args.out):
         raise ValueError(f"--out {args.out} already exists")
@@ -178,7 +178,7 @@ def train(args) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     from megatron_patch.inference import add_model_args
-    from toolkits._cli import run as run_tool
+    from megatron_patch.cli import run as run_tool
 
     p = argparse.ArgumentParser(prog="python -m megatron_patch.rlhf.grpo", description=__doc__.split("\n")[0])
     add_model_args(p)

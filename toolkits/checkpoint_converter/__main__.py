@@ -18,7 +18,7 @@ import sys
 from megatron_patch.conversion.convert import DTYPES, hf_to_mcore, mcore_to_hf, mcore_to_mcore
 from megatron_patch.conversion.mcore_io import FORMATS
 from megatron_patch.conversion.hf_io import parse_size
-from toolkits._cli import run
+from megatron_patch.cli import run
 
 
 def _parser() -> argparse.ArgumentParser:

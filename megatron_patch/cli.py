@@ -1,0 +1,168 @@
+"""What every command-line tool of the package does around its work (the converter, preprocessing,
+generate, evaluate, the trainers): one JSON summary line on success (exit 0); for bad input an
+`error: ...` line on stderr with exit 1; Ctrl-C (exit 130) and SIGTERM (preemption, `timeout`,
+`scancel`; exit 143) end the work the same way, so the tools' atomic writes leave nothing behind.
+MEGATRON_PATCH_TRACEBACK=1 adds the traceback behind an error.
+
+Kept free of heavy imports: a tool's `--help` should not wait for torch or megatron-core."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from typing import Any, TextIO
+
+# the errors a tool reports as one line (anything else is a bug and keeps its traceback)
+USER_ERRORS: tuple[type[BaseException], ...] = (OSError, ValueError, KeyError, RuntimeError)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, delivered as an interruption so that every `finally` / cleanup runs as for Ctrl-C."""
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated()
+
+
+# Third-party notices that say nothing to a user of these tools: (logger, message start) for logging,
+# (category, message regex) for warnings.
+_QUIET_LOGS = (
+    ("megatron.core.models.gpt.gpt_model", "GPTModel IS DEPRECATED"),
+    ("torch.utils.cpp_extension", "No CUDA runtime"),
+)
+_QUIET_WARNINGS = (
+    (UserWarning, r""),  # restricted to megatron's modules below
+    (FutureWarning, r".*ShardedTensor"),
+    (FutureWarning, r".*`torch\.distributed\._shard"),
+    (DeprecationWarning, r".*ShardedTensor"),
+)
+
+
+class _DropMessages(logging.Filter):
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)
+
+
+def quiet_third_party() -> None:
+    """Silence the known third-party notices (idempotent; call before importing megatron-core)."""
+    for name, prefix in _QUIET_LOGS:
+        log = logging.getLogger(name)
+        if not any(isinstance(f, _DropMessages) and f.prefix == prefix for f in log.filters):
+            log.addFilter(_DropMessages(prefix))
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+    for category, message in _QUIET_WARNINGS[1:]:
+        warnings.filterwarnings("ignore", category=category, message=message)
+
+
+def finite_json(value: Any) -> tuple[Any, list[str]]:
+    """`value` with every non-finite float replaced by None, and the paths where that happened
+    (JSON has no NaN/Infinity; writing them would make the line unreadable for strict parsers)."""
+    bad: list[str] = []
+
+    def walk(v: Any, path: str) -> Any:
+        if isinstance(v, float) and not math.isfinite(v):
+            bad.append(path or "value")
+            return None
+        if isinstance(v, dict):
+            return {k: walk(x, f"{path}.{k}" if path else str(k)) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [walk(x, f"{path}[{i}]") for i, x in enumerate(v)]
+        return v
+
+    return walk(value, ""), bad
+
+
+def process_seconds() -> float:
+    """Wall time since this process started (imports included), as a user timing the command sees it."""
+    try:
+        import psutil
+
+        return time.time() - psutil.Process().create_time()
+    except Exception:  # psutil missing or /proc unreadable: time since this module's import
+        return time.time() - _IMPORTED
+
+
+_IMPORTED = time.time()
+
+
+def run(work: Callable[[], Any], summary: TextIO | None = sys.stdout,
+        errors: tuple[type[BaseException], ...] = USER_ERRORS) -> tuple[int, Any]:
+    """Run a tool's work: (exit code, result). A dict result gets `wall_seconds` and is printed as one
+    JSON line on `summary` (rank 0 only under torchrun; None: not printed)."""
+    quiet_third_party()
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        result = work()
+    except Terminated:
+        print("\nerror: terminated (SIGTERM); no output was left behind", file=sys.stderr)
+        return 143, None
+    except KeyboardInterrupt:
+        print("\nerror: interrupted; no output was left behind", file=sys.stderr)
+        return 130, None
+    except errors as e:
+        if os.environ.get("MEGATRON_PATCH_TRACEBACK"):
+            traceback.print_exc()
+        print(f"\nerror: {error_text(e)}", file=sys.stderr)  # newline: a progress bar may own the line
+        return 1, None
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    if isinstance(result, dict):
+        result = {**result, "wall_seconds": round(process_seconds(), 2)}
+    if summary is not None and result is not None and is_first_rank():
+        clean, bad = finite_json(result)
+        if bad:
+            print(f"warning: non-finite values reported as null: {', '.join(bad)}", file=sys.stderr)
+        print(json.dumps(clean), file=summary, flush=True)
+    return 0, result
+
+
+def error_text(e: BaseException) -> str:
+    """One line for an exception: its message, else its type."""
+    text = str(e.args[0]) if isinstance(e, KeyError) and len(e.args) == 1 else str(e)  # KeyError quotes its text
+    text = " ".join(text.split())  # one line
+    return text or type(e).__name__
+
+
+def is_first_rank() -> bool:
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
