@@ -99,10 +99,11 @@ def process_seconds() -> float:
 _IMPORTED = time.time()
 
 
-def run(work: Callable[[], Any], summary: TextIO | None = sys.stdout,
+def run(work: Callable[[], Any], summary: TextIO | str | None = "stdout",
         errors: tuple[type[BaseException], ...] = USER_ERRORS) -> tuple[int, Any]:
     """Run a tool's work: (exit code, result). A dict result gets `wall_seconds` and is printed as one
-    JSON line on `summary` (rank 0 only under torchrun; None: not printed)."""
+    JSON line on `summary` (a stream, or "stdout" / "stderr": the one current at the end; None: not
+    printed; rank 0 only under torchrun)."""
     quiet_third_party()
     previous = None
     if threading.current_thread() is threading.main_thread():
@@ -129,7 +130,8 @@ def run(work: Callable[[], Any], summary: TextIO | None = sys.stdout,
         clean, bad = finite_json(result)
         if bad:
             print(f"warning: non-finite values reported as null: {', '.join(bad)}", file=sys.stderr)
-        print(json.dumps(clean), file=summary, flush=True)
+        stream = getattr(sys, summary) if isinstance(summary, str) else summary
+        print(json.dumps(clean), file=stream, flush=True)
     return 0, result
 
 
