@@ -64,6 +64,8 @@ def quiet_third_party() -> None:
         if not any(isinstance(f, _DropMessages) and f.prefix == prefix for f in log.filters):
             log.addFilter(_DropMessages(prefix))
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+    # DCP's notices about loading without a process group and its changed argument order
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.distributed\.checkpoint")
     for category, message in _QUIET_WARNINGS[1:]:
         warnings.filterwarnings("ignore", category=category, message=message)
 
@@ -146,6 +148,19 @@ def is_first_rank() -> bool:
     import torch.distributed as dist
 
     return not dist.is_initialized() or dist.get_rank() == 0
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Help that shows each option's default (when it has one the help does not already state) and
+    marks required options."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.required and action.option_strings:
+            return f"{text} (required)" if text else "(required)"
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
 
 
 def positive_int(text: str) -> int:

@@ -169,3 +169,214 @@ def test_not_enough_free_space_is_refused_up_front(hf_dir, tmp_path, capsys, mon
     monkeypatch.setattr(convert.shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 1000, 1000))
     out = str(tmp_path / "out")
     _fails(["hf-to-mcore", "--hf-dir", hf_dir, "--out", out], out, "not enough disk space", capsys)
+
+
+def _with_nan(src: str, dst) -> str:
+    bad = _copy(src, dst)
+    file = os.path.join(bad, "model.safetensors")
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(file)
+    tensors["model.layers.1.self_attn.o_proj.weight"][2, 3] = float("nan")
+    save_file(tensors, file, metadata={"format": "pt"})
+    return bad
+
+
+def _strict_json(line: str) -> dict:
+    def refuse(name):
+        raise AssertionError(f"{name} in a JSON line")
+
+    return json.loads(line, parse_constant=refuse)
+
+
+def test_nonfinite_weights_are_refused_or_written_with_a_warning(hf_dir, tmp_path, capsys):
+    """NaN in one HF tensor: every conversion refuses it by default, naming the tensor; with
+    --allow-nonfinite it is written, warned about and recorded in tensors.json; verify then fails on
+    the non-finite logits with a valid JSON line (no bare NaN)."""
+    bad = _with_nan(hf_dir, tmp_path / "hf")
+    out = str(tmp_path / "out")
+    for fmt, name in (("torch_dist", "decoder.layers.self_attention.linear_proj.weight@1,0,0"),  # layer 1
+                      ("legacy", "mp_rank_00/decoder.layers.1.self_attention.linear_proj.weight")):
+        _fails(["hf-to-mcore", "--hf-dir", bad, "--out", out, "--format", fmt], out,
+               f"{name} has 1 non-finite values (NaN/Inf)", capsys)
+    mc = str(tmp_path / "mc")
+    assert main(["hf-to-mcore", "--hf-dir", bad, "--out", mc, "--allow-nonfinite"]) == 0
+    assert "warning: 1 tensors written with non-finite values" in capsys.readouterr().err
+    entries = json.load(open(os.path.join(mc, "tensors.json")))["tensors"]
+    assert [k for k, v in entries.items() if v.get("nonfinite")] == ["decoder.layers.self_attention.linear_proj.weight@1,0,0"]
+    _fails(["mcore-to-hf", "--mcore-dir", mc, "--out", out], out, "non-finite values", capsys)
+    _fails(["mcore-to-mcore", "--mcore-dir", mc, "--out", out, "--format", "legacy"], out, "non-finite values", capsys)
+    assert main(["verify", "--hf-dir", bad, "--mcore-dir", mc]) == 1
+    captured = capsys.readouterr()
+    result = _strict_json(captured.out.strip().splitlines()[-1])
+    assert result["ok"] is False and result["max_abs_logit_diff"] is None and result["top1_agreement"] is None
+    assert result["nonfinite_logits"]["megatron"] > 0
+    assert "error: non-finite logits (NaN/Inf)" in captured.err
+
+
+def test_output_folders_follow_the_umask(hf_dir, tmp_path):
+    """Every folder and file a conversion writes has the mode the user's umask gives (not mkdtemp's 0700)."""
+    for mask, dirs, files in ((0o022, 0o755, 0o644), (0o027, 0o750, 0o640)):
+        old = os.umask(mask)
+        try:
+            mc, back = str(tmp_path / f"mc{mask:o}"), str(tmp_path / f"hf{mask:o}")
+            assert main(["hf-to-mcore", "--hf-dir", hf_dir, "--out", mc, "--format", "legacy"]) == 0
+            assert main(["mcore-to-hf", "--mcore-dir", mc, "--out", back]) == 0
+        finally:
+            os.umask(old)
+        for top in (mc, back):
+            for root, subdirs, names in os.walk(top):
+                assert os.stat(root).st_mode & 0o777 == dirs, root
+                for n in names:
+                    assert os.stat(os.path.join(root, n)).st_mode & 0o777 == files, os.path.join(root, n)
+
+
+def test_sigterm_leaves_nothing(hf_dir, tmp_path, capsys, monkeypatch):
+    """SIGTERM (preemption, `timeout`, `scancel`) ends a conversion like Ctrl-C: exit 143, nothing left."""
+    from megatron_patch.conversion import hf_io
+
+    calls = {"n": 0}
+    original = hf_io.HFCheckpoint.get
+
+    def get(self, name):
+        calls["n"] += 1
+        if calls["n"] == 10:
+            signal.raise_signal(signal.SIGTERM)
+        return original(self, name)
+
+    monkeypatch.setattr(hf_io.HFCheckpoint, "get", get)
+    for fmt in ("legacy", "torch_dist"):
+        calls["n"] = 0
+        out = str(tmp_path / f"out_{fmt}")
+        _fails(["hf-to-mcore", "--hf-dir", hf_dir, "--out", out, "--format", fmt], out, "terminated (SIGTERM)",
+               capsys, code=143)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the tool's handler is gone again
+
+
+def test_stale_partial_output_of_a_killed_run_is_removed_next_time(hf_dir, tmp_path):
+    """SIGKILL cannot be caught: the next run to the same --out removes the partial folder a dead
+    process of this machine left, and says so; one of a live process or of another host is only
+    reported, with the command that removes it."""
+    import socket
+    import time
+
+    out = str(tmp_path / "out")
+    cmd = [sys.executable, "-m", "toolkits.checkpoint_converter", "hf-to-mcore", "--hf-dir", hf_dir, "--out", out]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while not [n for n in os.listdir(tmp_path) if ".partial-" in n] and time.time() < deadline:
+        assert proc.poll() is None, "the conversion ended before it could be killed"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    stale = [n for n in os.listdir(tmp_path) if ".partial-" in n]
+    assert len(stale) == 1 and not os.path.exists(out)
+    other = tmp_path / ".out.partial-otherhost-123-abcd"
+    other.mkdir()
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"warning: removed {tmp_path / stale[0]}, a partial output left by an interrupted run" in done.stderr
+    assert f"{other} is the partial output of another run (pid 123 on otherhost)" in done.stderr
+    assert f"rm -rf '{other}'" in done.stderr
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith(".")) == [other.name]
+    assert socket.gethostname() in stale[0]
+
+
+def test_out_equal_to_or_holding_the_source_is_refused(hf_dir, tmp_path, capsys):
+    """`--overwrite` with --out = the source (or a folder holding it) would delete the input."""
+    src = _copy(hf_dir, tmp_path / "hf")
+    before = sorted(os.listdir(src))
+    for out in (src, src + "/", str(tmp_path)):
+        assert main(["hf-to-mcore", "--hf-dir", src, "--out", out, "--overwrite"]) == 1
+        assert "would destroy the input" in capsys.readouterr().err
+    mc = str(tmp_path / "mc")
+    assert main(["hf-to-mcore", "--hf-dir", src, "--out", mc]) == 0
+    for command in ("mcore-to-hf", "mcore-to-mcore"):
+        assert main([command, "--mcore-dir", mc, "--out", mc, "--overwrite"]) == 1
+        assert "would destroy the input" in capsys.readouterr().err
+    assert sorted(os.listdir(src)) == before and os.path.isfile(os.path.join(mc, "megatron_patch.json"))
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("num_attention_heads", 0, "num_attention_heads must be a positive integer, got 0"),
+    ("hidden_size", -64, "hidden_size must be a positive integer, got -64"),
+    ("num_hidden_layers", 2.5, "num_hidden_layers must be a positive integer, got 2.5"),
+    ("rms_norm_eps", float("nan"), "rms_norm_eps must be a finite number, got nan"),
+    ("rope_theta", -1.0, "rope_theta must be > 0"),
+])
+def test_bad_config_numbers_name_field_and_file(hf_dir, tmp_path, capsys, field, value, match):
+    bad = _copy(hf_dir, tmp_path / "hf")
+    cfg = json.load(open(os.path.join(bad, "config.json")))
+    cfg[field] = value
+    json.dump(cfg, open(os.path.join(bad, "config.json"), "w"))
+    out = str(tmp_path / "out")
+    _fails(["hf-to-mcore", "--hf-dir", bad, "--out", out], out, f"{bad}/config.json: {match}", capsys)
+
+
+def test_config_that_is_not_json_names_the_file(hf_dir, tmp_path, capsys):
+    bad = _copy(hf_dir, tmp_path / "hf")
+    with open(os.path.join(bad, "config.json"), "w") as f:
+        f.write('{"architectures": ["LlamaForCausalLM"],\n "hidden_size": 64,,}')
+    out = str(tmp_path / "out")
+    _fails(["hf-to-mcore", "--hf-dir", bad, "--out", out], out, f"{bad}/config.json is not valid JSON (line 2", capsys)
+
+
+@pytest.mark.parametrize("flag,value", [("--make-vocab-size-divisible-by", "0"), ("--tp", "0"), ("--pp", "-2"),
+                                        ("--ep", "x")])
+def test_nonsense_numbers_on_the_command_line(hf_dir, tmp_path, capsys, flag, value):
+    with pytest.raises(SystemExit) as e:
+        main(["hf-to-mcore", "--hf-dir", hf_dir, "--out", str(tmp_path / "out"), flag, value])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}" in err and ("must be >= 1" in err or "expected a positive integer" in err)
+
+
+def test_output_location_errors_name_the_output(hf_dir, tmp_path, capsys, monkeypatch):
+    """--out under a regular file, with a missing parent, or in a folder that cannot be written: the
+    message names --out and the reason (not a temporary folder, not a disk-space error)."""
+    (tmp_path / "afile").write_text("x")
+    for out, match in ((tmp_path / "afile" / "a" / "b", f"{tmp_path / 'afile'} is a file, not a folder"),
+                       (tmp_path / "nope" / "out", f"its parent folder {tmp_path / 'nope'} does not exist")):
+        assert main(["hf-to-mcore", "--hf-dir", hf_dir, "--out", str(out)]) == 1
+        assert f"error: cannot create {out}: {match}" in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == ["afile"]
+    # a read-only folder (the tests run as root, for whom every folder is writable: os.access stands in)
+    out = str(tmp_path / "ro" / "out")
+    os.mkdir(tmp_path / "ro")
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **k: False if str(p) == str(tmp_path / "ro") else
+                        real_access(p, mode, **k))
+    _fails(["hf-to-mcore", "--hf-dir", hf_dir, "--out", out], out,
+           f"cannot create {out}: the folder {tmp_path / 'ro'} is not writable", capsys)
+    monkeypatch.undo()
+    # a write refused half-way (e.g. a quota or an ACL): the error names --out, not the temporary folder
+    from megatron_patch.conversion import convert
+
+    def refuse(src, dst, names=()):
+        raise PermissionError(13, "Permission denied", os.path.join(dst, "config.json"))
+
+    monkeypatch.setattr(convert, "copy_side_files", refuse)
+    out = str(tmp_path / "out2")
+    _fails(["hf-to-mcore", "--hf-dir", hf_dir, "--out", out], out, f"Permission denied (writing {out})", capsys)
+    assert ".partial-" not in capsys.readouterr().err
+
+
+def test_verify_refuses_two_different_models(hf_dir, tmp_path, capsys):
+    other = save_hf(hf_model(llama_config("mha")), str(tmp_path / "other"))
+    mc = str(tmp_path / "mc")
+    assert main(["hf-to-mcore", "--hf-dir", other, "--out", mc]) == 0
+    assert main(["verify", "--hf-dir", hf_dir, "--mcore-dir", mc]) == 1
+    err = capsys.readouterr().err
+    assert f"error: {hf_dir} and {mc} are different models (num_key_value_heads: 2 vs 8)" in err, err
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("transformer_engine") is not None,
+                    reason="Transformer Engine is installed here")
+def test_transformer_engine_checkpoint_without_te(hf_dir, tmp_path, capsys):
+    """Converting to TE naming needs no TE; running it does: one line saying what to do."""
+    mc = str(tmp_path / "mc")
+    assert main(["hf-to-mcore", "--hf-dir", hf_dir, "--out", mc, "--impl", "transformer_engine",
+                 "--format", "legacy"]) == 0
+    assert main(["verify", "--hf-dir", hf_dir, "--mcore-dir", mc]) == 1
+    assert "needs Transformer Engine, which is not installed" in capsys.readouterr().err
+    assert main(["verify", "--hf-dir", hf_dir, "--mcore-dir", mc, "--impl", "local"]) == 0

@@ -75,6 +75,41 @@ def test_bf16_conversion(converted):
     assert main(["mcore-to-hf", "--mcore-dir", mc, "--out", out]) == 0
     a, b = read_all(hf_dir), read_all(out)
     assert all(b[k].dtype == torch.bfloat16 and torch.equal(a[k].to(torch.bfloat16), b[k]) for k in a)
+    # the exported config says so: transformers (dtype="auto") and serving stacks load bf16, not float32
+    cfg = json.load(open(os.path.join(out, "config.json")))
+    assert cfg["dtype"] == cfg["torch_dtype"] == "bfloat16"
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(out, dtype="auto").dtype == torch.bfloat16
+
+
+def test_verify_defaults_to_the_checkpoints_dtype(converted, capsys):
+    """A bf16 checkpoint verifies without flags (bf16 compute, bf16 tolerance), and in fp32 against the
+    HF weights rounded to bf16 as the conversion rounded them: 1e-4 holds."""
+    root, hf_dir, _ = converted
+    mc = str(root / "mcore_bf16_v")
+    assert main(["hf-to-mcore", "--hf-dir", hf_dir, "--out", mc, "--dtype", "bf16"]) == 0
+    capsys.readouterr()
+    assert main(["verify", "--hf-dir", hf_dir, "--mcore-dir", mc]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["dtype"] == result["checkpoint_dtype"] == "bfloat16" and result["tolerance"] == 1.0
+    assert main(["verify", "--hf-dir", hf_dir, "--mcore-dir", mc, "--dtype", "fp32"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["dtype"] == "float32" and result["max_abs_logit_diff"] <= 1e-4
+
+
+def test_convert_example_with_bf16(converted, tmp_path):
+    """examples/<family>/convert.sh ... --dtype bf16: conversion, then verify at the checkpoint's dtype."""
+    import subprocess
+    import sys
+
+    _, hf_dir, _ = converted
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
+    p = subprocess.run(["bash", os.path.join(root, "examples", "llama", "convert.sh"), hf_dir, str(tmp_path / "mc"),
+                        "--dtype", "bf16", "--tp", "2"], capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert json.loads(p.stdout.strip().splitlines()[-1])["ok"] is True
 
 
 def _assert_fails(argv, out, match, capsys):
@@ -115,3 +150,54 @@ def test_bad_input(converted, tmp_path, capsys):
     empty.mkdir()
     (empty / "config.json").write_text(json.dumps(llama_config()))
     _assert_fails(["hf-to-mcore", "--hf-dir", str(empty), "--out", out], out, "no model.safetensors", capsys)
+
+
+def test_help_is_instant_and_every_option_says_what_it_does():
+    """`--help` imports neither torch nor megatron-core; the top-level help names both formats; every
+    option of every command has a help text."""
+    import subprocess
+    import sys
+
+    from toolkits.checkpoint_converter.__main__ import _parser
+
+    for args in ([], ["verify"], ["hf-to-mcore"]):
+        p = subprocess.run([sys.executable, "-X", "importtime", "-m", "toolkits.checkpoint_converter", *args, "--help"],
+                           capture_output=True, text=True)
+        assert p.returncode == 0, p.stderr[-2000:]
+        imported = {line.rsplit("|", 1)[-1].strip() for line in p.stderr.splitlines() if line.startswith("import time:")}
+        assert not {"torch", "megatron", "transformers"} & imported, sorted(imported)[:20]
+    assert "torch_dist" in p.stdout and "legacy" in p.stdout
+    top = subprocess.run([sys.executable, "-m", "toolkits.checkpoint_converter", "--help"], capture_output=True,
+                         text=True).stdout
+    assert "torch_dist" in top and "legacy" in top
+    subparsers = next(a for a in _parser()._actions if a.dest == "command")
+    for name, sub in subparsers.choices.items():
+        for action in sub._actions:
+            assert action.help, (name, action.option_strings)
+
+
+def test_plain_process_prints_no_third_party_notices_and_reports_wall_time(converted, tmp_path):
+    import subprocess
+    import sys
+
+    _, hf_dir, _ = converted
+    p = subprocess.run([sys.executable, "-m", "toolkits.checkpoint_converter", "hf-to-mcore", "--hf-dir", hf_dir,
+                        "--out", str(tmp_path / "mc")], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    for notice in ("GPTModel IS DEPRECATED", "ShardedTensor", "No CUDA runtime", "Warning"):
+        assert notice not in p.stderr, p.stderr[-2000:]
+    summary = json.loads(p.stdout.strip().splitlines()[-1])
+    assert summary["wall_seconds"] >= summary["seconds"] > 0  # wall time counts the imports too
+
+
+
+def test_demo_prints_the_commands_a_user_would_type(tmp_path):
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-m", "toolkits.demo", "--workdir", str(tmp_path / "demo")],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    lines = [line for line in p.stdout.splitlines() if line.startswith("$ ")]
+    assert [line.split()[:4] for line in lines] == [["$", "python", "-m", "toolkits.checkpoint_converter"]] * 3
+    assert "bitwise identical: yes" in p.stdout

@@ -25,7 +25,7 @@ from megatron_patch.testing import TINY_LLAMA, random_hf_model
 
 def _cli(*args: str) -> dict:
     cmd = [sys.executable, "-m", "toolkits.checkpoint_converter", *args]
-    print("$", " ".join(cmd[1:]), flush=True)
+    print("$ python", " ".join(cmd[1:]), flush=True)  # as a user types it (with the venv active)
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"demo failed: {' '.join(args[:1])} exited {proc.returncode}")

@@ -12,18 +12,17 @@ import os
 import resource
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from megatron_patch.conversion.atomic import atomic_output_dir
+from megatron_patch.conversion.atomic import atomic_output_dir, check_output
 from megatron_patch.conversion.engine import ConversionError, Plan, make_plan
-from megatron_patch.conversion.hf_io import HFCheckpoint, HFShardWriter, copy_side_files
+from megatron_patch.conversion.hf_io import HFCheckpoint, HFShardWriter, copy_side_files, set_config_dtype
 from megatron_patch.conversion.manifest import TensorLog
 from megatron_patch.conversion.mcore_io import (
-    FORMATS,
     HF_SUBDIR,
     MegatronCheckpoint,
     save_legacy,
@@ -32,12 +31,7 @@ from megatron_patch.conversion.mcore_io import (
 )
 from megatron_patch.models.family import Layout
 from megatron_patch.models.registry import get_family, load_hf_config
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return {v: k for k, v in DTYPES.items()}[dtype]
+from megatron_patch.names import FORMATS, dtype_name, torch_dtype
 
 
 class _Meter:
@@ -124,9 +118,9 @@ def _check_free_space(out: str, needed: int) -> None:
 
 
 def _write_megatron(plan: Plan, get: Callable[[str], Tensor], keys: list[str], tmp: str, fmt: str,
-                    dtype: torch.dtype | None) -> None:
-    """Write the checkpoint and its per-tensor manifest (`tensors.json`)."""
-    log = TensorLog()
+                    dtype: torch.dtype | None, allow_nonfinite: bool) -> None:
+    """Write the checkpoint and its per-tensor manifest (`tensors.json`; non-finite tensors refused)."""
+    log = TensorLog(allow_nonfinite)
     if fmt == "torch_dist":
         save_torch_dist(plan, get, keys, tmp, dtype, log)
     elif fmt == "legacy":
@@ -147,23 +141,24 @@ def _manifest(plan: Plan, fmt: str, dtype: torch.dtype, tmp: str) -> dict:
 
 def hf_to_mcore(hf_dir: str, out: str, tp: int = 1, pp: int = 1, impl: str = "local",
                 dtype: str | None = None, make_vocab_size_divisible_by: int = 128,
-                overwrite: bool = False, fmt: str = "torch_dist", ep: int = 1) -> dict:
+                overwrite: bool = False, fmt: str = "torch_dist", ep: int = 1, allow_nonfinite: bool = False) -> dict:
     """HF folder -> Megatron checkpoint (torch_dist or legacy) + HF side files + manifest. torch_dist is
     stored whole (megatron loads it at any layout); legacy is written per TP x PP x EP rank."""
     if not os.path.isdir(hf_dir):
         raise FileNotFoundError(f"HF folder {hf_dir} does not exist")
+    check_output(out, overwrite, [hf_dir])
     hf_config = load_hf_config(hf_dir)
     plan = make_plan(hf_config, Layout(tp, pp, make_vocab_size_divisible_by, ep), impl, get_family(hf_config))
     ckpt = HFCheckpoint(hf_dir)
-    target = DTYPES[dtype] if dtype else ckpt.dtype()
+    target = torch_dtype(dtype) if dtype else ckpt.dtype()
     keys = ckpt.keys()
     _check_free_space(out, ckpt.nbytes(target))
 
     def run() -> dict:
-        with atomic_output_dir(out, overwrite) as tmp:
+        with atomic_output_dir(out, overwrite, [hf_dir]) as tmp:
             # the legacy writer reads each stage once per TP x EP rank (one rank file in memory)
             meter = _Meter(len(keys) * (tp * ep if fmt == "legacy" else 1), f"hf-to-mcore ({fmt})")
-            _write_megatron(plan, lambda k: meter.count(ckpt.get(k)), keys, tmp, fmt, target)
+            _write_megatron(plan, lambda k: meter.count(ckpt.get(k)), keys, tmp, fmt, target, allow_nonfinite)
             os.makedirs(os.path.join(tmp, HF_SUBDIR))
             copy_side_files(hf_dir, os.path.join(tmp, HF_SUBDIR))
             fields = _manifest(plan, fmt, target, tmp)
@@ -180,50 +175,76 @@ def _hf_chunks(src: MegatronCheckpoint, dtype: torch.dtype | None, meter: _Meter
 
 
 def mcore_to_hf(mcore_dir: str, out: str, dtype: str | None = None, max_shard_size: int = 5 * 10**9,
-                overwrite: bool = False, hf_config: str | None = None) -> dict:
-    """Megatron checkpoint (either format, ours or written by `megatron.training`) -> HF folder."""
+                overwrite: bool = False, hf_config: str | None = None, allow_nonfinite: bool = False) -> dict:
+    """Megatron checkpoint (either format, ours or written by `megatron.training`) -> HF folder, whose
+    config.json states the dtype the tensors are written in."""
+    check_output(out, overwrite, [mcore_dir])
     src = MegatronCheckpoint.open(mcore_dir, hf_config)
-    target = DTYPES[dtype] if dtype else None
+    target = torch_dtype(dtype) if dtype else None
     plan = src.plan()
 
     def run() -> dict:
-        with atomic_output_dir(out, overwrite) as tmp:
+        with atomic_output_dir(out, overwrite, [mcore_dir]) as tmp:
             meter = _Meter(len(plan.hf_names()), f"mcore-to-hf ({src.format})")
-            log = TensorLog()
-            writer = HFShardWriter(tmp, max_shard_size, log)
-            for chunk in _hf_chunks(src, target, meter):
-                for name in sorted(chunk):
-                    writer.add(name, chunk[name])
-            files = writer.close()
-            log.write(tmp)
+            tensors = ((name, chunk[name]) for chunk in _hf_chunks(src, target, meter) for name in sorted(chunk))
+            files = _write_hf_tensors(tmp, tensors, max_shard_size, allow_nonfinite)
             _copy_hf_side(src, tmp)
-            if target is not None:
-                _set_config_dtype(os.path.join(tmp, "config.json"), dtype)
+            set_config_dtype(os.path.join(tmp, "config.json"), dtype or dtype_name(src.dtype))
         return meter.summary(family=plan.family.name, format=src.format, shards=len(files),
-                             out=os.path.abspath(out))
+                             dtype=dtype or dtype_name(src.dtype), out=os.path.abspath(out))
 
     return _disk_errors(run, out)
+
+
+def _write_hf_tensors(folder: str, tensors: Iterable[tuple[str, Tensor]], max_shard_size: int,
+                      allow_nonfinite: bool) -> list[str]:
+    """Sharded safetensors + index + tensors.json (NaN / Inf refused unless allowed); the shard names."""
+    log = TensorLog(allow_nonfinite)
+    writer = HFShardWriter(folder, max_shard_size, log)
+    for name, tensor in tensors:
+        writer.add(name, tensor)
+    files = writer.close()
+    log.write(folder)
+    return files
+
+
+def save_hf_state(hf_tensors: dict[str, Tensor], hf_config: dict, out: str, side_dir: str | None = None,
+                  overwrite: bool = False, max_shard_size: int = 5 * 10**9) -> dict:
+    """A model held in memory (e.g. a policy trained outside megatron.training), as HF tensors, written
+    as an HF folder the way `mcore_to_hf` writes one: atomically, NaN / Inf refused, the tokenizer and
+    generation files of `side_dir` copied, config.json = `hf_config` stating the weights' dtype."""
+    check_output(out, overwrite)
+    dtype = dtype_name(next(iter(hf_tensors.values())).dtype)
+    with atomic_output_dir(out, overwrite) as tmp:
+        files = _write_hf_tensors(tmp, sorted(hf_tensors.items()), max_shard_size, False)
+        if side_dir:
+            copy_side_files(side_dir, tmp)
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(hf_config, f, indent=2)
+        set_config_dtype(os.path.join(tmp, "config.json"), dtype)
+    return {"out": os.path.abspath(out), "shards": len(files), "tensors": len(hf_tensors), "dtype": dtype}
 
 
 def mcore_to_mcore(mcore_dir: str, out: str, tp: int | None = None, pp: int | None = None,
                    impl: str | None = None, fmt: str | None = None, dtype: str | None = None,
                    make_vocab_size_divisible_by: int | None = None, overwrite: bool = False,
-                   hf_config: str | None = None, ep: int | None = None) -> dict:
+                   hf_config: str | None = None, ep: int | None = None, allow_nonfinite: bool = False) -> dict:
     """Megatron -> Megatron with another layout / naming / format / dtype, without an HF folder.
     Unset options keep the source's value. Streams: the writer pulls tensors from the source one
     Megatron tensor at a time (a legacy source holds one pipeline stage)."""
+    check_output(out, overwrite, [mcore_dir])
     src = MegatronCheckpoint.open(mcore_dir, hf_config)
     layout = Layout(tp or src.layout.tp, pp or src.layout.pp,
                     make_vocab_size_divisible_by or src.layout.make_vocab_size_divisible_by, ep or src.layout.ep)
     plan = make_plan(src.hf_config, layout, impl or src.impl)
     fmt = fmt or src.format
-    target = DTYPES[dtype] if dtype else src.dtype
+    target = torch_dtype(dtype) if dtype else src.dtype
 
     def run() -> dict:
-        with atomic_output_dir(out, overwrite) as tmp:
+        with atomic_output_dir(out, overwrite, [mcore_dir]) as tmp:
             meter = _Meter(len(plan.hf_names()), f"mcore-to-mcore ({src.format} -> {fmt})")
             get, keys = src.hf_getter()
-            _write_megatron(plan, lambda k: meter.count(get(k)), keys, tmp, fmt, target)
+            _write_megatron(plan, lambda k: meter.count(get(k)), keys, tmp, fmt, target, allow_nonfinite)
             os.makedirs(os.path.join(tmp, HF_SUBDIR))
             _copy_hf_side(src, os.path.join(tmp, HF_SUBDIR))
             fields = _manifest(plan, fmt, target, tmp)
@@ -241,13 +262,4 @@ def _copy_hf_side(src: MegatronCheckpoint, dst: str) -> None:
             json.dump(src.hf_config, f, indent=2)
 
 
-def _set_config_dtype(config_path: str, name: str) -> None:
-    with open(config_path) as f:
-        cfg = json.load(f)
-    cfg["dtype"] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[name]
-    cfg.pop("torch_dtype", None)
-    with open(config_path, "w") as f:
-        json.dump(cfg, f, indent=2)
-
-
-__all__ = ["DTYPES", "ConversionError", "hf_to_mcore", "mcore_to_hf", "mcore_to_mcore"]
+__all__ = ["ConversionError", "hf_to_mcore", "mcore_to_hf", "mcore_to_mcore", "save_hf_state"]

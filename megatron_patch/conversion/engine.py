@@ -17,9 +17,10 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from megatron_patch.models.family import IMPLS, Impl, Layout, ModelFamily
+from megatron_patch.models.family import Impl, Layout, ModelFamily
 from megatron_patch.models.mappings import Drop, Mapping, Replicated, Shapes
 from megatron_patch.models.registry import get_family
+from megatron_patch.names import IMPLS
 
 Rank = tuple[int, int, int]  # (tp_rank, pp_rank, ep_rank)
 

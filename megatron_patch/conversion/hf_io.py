@@ -160,19 +160,25 @@ def parse_size(text: str) -> int:
     """'5GB' / '500MB' / '1024' -> bytes."""
     units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "B": 1}
     t = text.strip().upper()
-    for u, mult in units.items():
-        if t.endswith(u):
-            return int(float(t[: -len(u)]) * mult)
-    return int(t)
+    unit = next((u for u in units if t.endswith(u)), "")
+    try:
+        size = int(float(t[: len(t) - len(unit)]) * units.get(unit, 1))
+    except (ValueError, OverflowError):
+        size = 0
+    if size <= 0:
+        raise ValueError(f"size {text!r}: expected a positive size such as 500MB or 5GB")
+    return size
 
 
 class HFShardWriter:
     """Streams tensors into `model-0000i-of-0000n.safetensors` files of at most `max_shard_size` bytes
     (a tensor larger than that gets a shard of its own) and writes `model.safetensors.index.json`.
-    Holds at most one shard in memory."""
+    Holds at most one shard in memory. Tensors with NaN / Inf are refused unless `log` allows them."""
 
     def __init__(self, out_dir: str, max_shard_size: int = 5 * 10**9, log: TensorLog | None = None):
-        self.out_dir, self.max_shard_size, self.log = out_dir, max_shard_size, log
+        # every tensor is logged (CRC, shape) and checked for NaN / Inf before it is written
+        self.out_dir, self.max_shard_size = out_dir, max_shard_size
+        self.log = log if log is not None else TensorLog()
         self._pending: dict[str, Tensor] = {}
         self._pending_bytes = 0
         self._files: list[tuple[str, list[str]]] = []  # (temporary name, tensor names)
@@ -183,9 +189,7 @@ class HFShardWriter:
         n = tensor.numel() * tensor.element_size()
         if self._pending and self._pending_bytes + n > self.max_shard_size:
             self._flush()
-        self._pending[name] = tensor.contiguous()
-        if self.log is not None:
-            self.log.add(name, self._pending[name])
+        self._pending[name] = self.log.add(name, tensor.contiguous())
         self._pending_bytes += n
         self.total_bytes += n
         self.count += 1
@@ -218,3 +222,16 @@ def copy_side_files(src: str, dst: str, names: Iterable[str] = SIDE_FILES) -> li
             shutil.copy2(os.path.join(src, name), os.path.join(dst, name))
             copied.append(name)
     return copied
+
+
+def set_config_dtype(config_path: str, name: str) -> None:
+    """State in an HF config.json the dtype its weights are stored in (`bf16` -> "bfloat16"): under
+    `dtype` (transformers >= 4.56) and `torch_dtype` (older readers and serving stacks), which
+    `from_pretrained(dtype="auto")` and serving stacks load the weights as."""
+    from megatron_patch.names import hf_dtype
+
+    with open(config_path) as f:
+        cfg = json.load(f)
+    cfg["dtype"] = cfg["torch_dtype"] = hf_dtype(name)
+    with open(config_path, "w") as f:
+        json.dump(cfg, f, indent=2)

@@ -67,13 +67,13 @@ from megatron_patch.conversion.engine import (
 from megatron_patch.conversion.manifest import TensorLog
 from megatron_patch.models.family import Layout, build_model, ensure_model_parallel
 from megatron_patch.models.registry import get_family, load_hf_config
+from megatron_patch.names import FORMATS
 
 WRITE_THREADS = 2
 MANIFEST = "megatron_patch.json"
 HF_SUBDIR = "hf"
 TRACKER = "latest_checkpointed_iteration.txt"
 LEGACY_FILE = "model_optim_rng.pt"
-FORMATS = ("torch_dist", "legacy")
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 
 

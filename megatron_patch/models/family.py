@@ -16,10 +16,10 @@ from typing import Any, Literal
 import torch
 
 from megatron_patch import patches
+from megatron_patch.names import IMPLS
 from megatron_patch.models.mappings import Drop, Mapping, Shapes
 
 Impl = Literal["local", "transformer_engine"]
-IMPLS: tuple[str, ...] = ("local", "transformer_engine")
 
 
 class UnsupportedConfig(ValueError):
@@ -170,6 +170,12 @@ class ModelFamily:
         raise NotImplementedError
 
 
+def transformer_engine_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
 def runtime_config_kwargs(dtype: torch.dtype = torch.float32) -> dict:
     """Runtime (non-architecture) TransformerConfig fields for models built outside
     `megatron.training` (conversion, verification): parameters are created on the GPU when there is
@@ -230,6 +236,9 @@ def build_model(hf_config: Any, tp: int = 1, pp: int = 1, impl: Impl = "local",
 
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "transformer_engine" and not transformer_engine_available():
+        raise ValueError("the transformer_engine implementation needs Transformer Engine, which is not installed: "
+                         "install it (pip install 'megatron_patch[te]', on a CUDA machine) or run with --impl local")
     family = get_family(hf_config)
     layout = Layout(tp, pp, make_vocab_size_divisible_by, ep, etp)
     family.check_layout(hf_config, layout)

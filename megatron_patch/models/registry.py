@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import os
 from typing import Any
 
@@ -98,11 +99,57 @@ def _supported() -> str:
     return ", ".join(a for _, archs in _FAMILIES.values() for a in archs)
 
 
+# Size fields of the families' configs: when present and not null, a positive integer.
+_SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+          "intermediate_size", "head_dim", "n_embd", "n_layer", "n_head", "num_layers", "ffn_hidden_size",
+          "kv_channels", "multi_query_group_num", "max_position_embeddings", "num_local_experts",
+          "num_experts_per_tok", "moe_intermediate_size", "n_routed_experts", "kv_lora_rank", "q_lora_rank",
+          "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
 def load_hf_config(path: str | os.PathLike) -> dict:
-    """Read `config.json` from a folder (or the file itself) as a dict."""
+    """Read `config.json` from a folder (or the file itself) as a dict, checked: valid JSON, an object,
+    size fields positive integers, every number finite, norm epsilons and rope bases > 0. Errors name
+    the file and the field."""
     path = os.fspath(path)
     file = os.path.join(path, "config.json") if os.path.isdir(path) else path
     if not os.path.isfile(file):
         raise FileNotFoundError(f"no config.json in {path}")
     with open(file, encoding="utf-8") as f:
-        return json.load(f)
+        try:
+            cfg = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            where = f" (line {e.lineno}, column {e.colno})" if isinstance(e, json.JSONDecodeError) else ""
+            raise ValueError(f"{file} is not valid JSON{where}: {getattr(e, 'msg', e)}") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{file}: expected a JSON object, got {type(cfg).__name__}")
+    problem = config_problem(cfg)
+    if problem:
+        raise ValueError(f"{file}: {problem}")
+    return cfg
+
+
+def config_problem(cfg: dict) -> str | None:
+    """What is wrong with an HF config dict's numbers, naming the field; None if nothing."""
+    for key in _SIZES:
+        value = cfg.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            return f"{key} must be a positive integer, got {json.dumps(value)}"
+
+    def numbers(value: Any, name: str):
+        if isinstance(value, dict):
+            for k, v in value.items():
+                yield from numbers(v, f"{name}.{k}" if name else k)
+        elif isinstance(value, list):
+            for i, v in enumerate(value):
+                yield from numbers(v, f"{name}[{i}]")
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            yield name, value
+
+    for name, value in numbers(cfg, ""):
+        if not math.isfinite(value):
+            return f"{name} must be a finite number, got {value}"
+        leaf = name.rsplit(".", 1)[-1]
+        if (leaf.endswith(("eps", "epsilon")) or leaf == "rope_theta") and value <= 0:
+            return f"{name} must be > 0, got {value}"
+    return None
