@@ -1,9 +1,12 @@
 """python -m megatron_patch.evaluate: perplexity equals exp(mean token loss) computed independently
-with transformers; the multiple-choice scorer picks the answer known by construction; bad input."""
+with transformers; the multiple-choice scorer picks the answer known by construction and scores
+`" " + choice` without doubling a space; bad input (malformed multiple-choice rows, named by line; an
+unwritable --report) is refused before the model loads; --report is written whole."""
 
 import gzip
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -105,3 +108,78 @@ def test_tp2_under_torchrun_matches_tp1(setup, capsys):
     assert p.returncode == 0, p.stderr[-3000:]
     tp2 = json.loads(p.stdout.strip().splitlines()[-1])["perplexity"]
     assert tp2["tokens"] == tp1["tokens"] and abs(tp2["loss"] - tp1["loss"]) <= 1e-5
+
+
+def _model_never_loads(*args, **kwargs):
+    raise RuntimeError("the model was loaded")
+
+
+BAD_CHOICES = [
+    ({"question": "q", "choices": ["a", "b"], "answer": 2}, "'answer' 2 is out of range for 2 choices (0-based: 0..1)"),
+    ({"question": "q", "choices": "ab", "answer": 0}, "'choices' must be a list of strings, got a string"),
+    ({"question": "q", "choices": ["a", "b"], "answer": True}, "'answer' must be the 0-based index of the right choice, got true"),
+    ({"question": "q", "choices": ["a", "b"], "answer": "1"}, "'answer' must be the 0-based index of the right choice, got \"1\""),
+    ({"question": "q", "choices": [], "answer": 0}, "'choices' is empty"),
+    ({"question": "q", "choices": ["a", 2], "answer": 0}, "choice 1 must be a string, got 2"),
+    ({"question": 3, "choices": ["a"], "answer": 0}, "'question' must be a string, got 3"),
+    ({"question": "q", "choices": ["a"]}, "needs question, choices and answer (missing answer)"),
+    (["q", ["a"], 0], "needs question, choices and answer (missing question, choices, answer)"),
+]
+
+
+@pytest.mark.parametrize("row,match", BAD_CHOICES, ids=[m.split(" ")[0] for _, m in BAD_CHOICES])
+def test_bad_multiple_choice_row_is_refused_with_its_line(setup, tmp_path, capsys, monkeypatch, row, match):
+    from megatron_patch.evaluate import main
+
+    *_, mc = setup
+    monkeypatch.setattr("megatron_patch.inference.load_model", _model_never_loads)
+    path = tmp_path / "mc.jsonl"
+    path.write_text(json.dumps({"question": "q", "choices": ["a", "b"], "answer": 1}) + "\n\n" + json.dumps(row) + "\n")
+    assert main(["--mcore-dir", mc, "--choices", str(path)]) == 1
+    assert f"error: {path}, line 3: {match}" in capsys.readouterr().err
+
+
+def test_choice_is_scored_after_one_space(setup):
+    """`" " + choice` is the continuation, but a space already at the boundary is not doubled; the
+    scorer tokenizes exactly those continuations."""
+    from megatron_patch.evaluate import Question, Scorer, continuation
+    from megatron_patch.inference import load_model
+    from megatron_patch.models import Layout, get_family
+
+    root, hf, tok, texts, mc = setup
+    assert continuation("Q:", "yes") == " yes" and continuation("Q:", " yes") == " yes"
+    assert continuation("Q: ", "yes") == "yes" and continuation("Q:", "\nyes") == "\nyes"
+    model, cfg = load_model(mc, None)
+    seen = []
+
+    def tokenize(text):
+        seen.append(text)
+        return tok.tokenize(text)
+
+    got = Scorer(model, get_family(cfg).shapes(cfg, Layout()).vocab_size).multiple_choice(
+        [Question("The answer is", ["yes", " no", "\tmaybe"], 0)], tokenize)
+    assert seen == ["The answer is", " yes", " no", "\tmaybe"] and got["questions"] == 1
+
+
+def test_report_is_checked_first_and_written_whole(setup, tmp_path, capsys, monkeypatch):
+    from megatron_patch.evaluate import main
+
+    root, *_, mc = setup
+    (tmp_path / "a_file").write_text("")
+    with monkeypatch.context() as m:
+        m.setattr("megatron_patch.inference.load_model", _model_never_loads)
+        for report, match in [(tmp_path, "is a folder"), (tmp_path / "missing" / "r.json", "does not exist"),
+                              (tmp_path / "a_file" / "r.json", "is a file, not a folder")]:
+            assert main(["--mcore-dir", mc, "--text", str(root / "docs.jsonl"), "--report", str(report)]) == 1
+            err = capsys.readouterr().err
+            assert f"error: --report {report}" in err and match in err, err
+    report = tmp_path / "r.json"
+    old = os.umask(0o027)
+    try:
+        assert main(["--mcore-dir", mc, "--text", str(root / "docs.jsonl"), "--seq-length", "64",
+                     "--report", str(report)]) == 0
+    finally:
+        os.umask(old)
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert json.load(open(report)) == {"perplexity": summary["perplexity"]}
+    assert os.stat(report).st_mode & 0o777 == 0o640 and sorted(os.listdir(tmp_path)) == ["a_file", "r.json"]

@@ -1,8 +1,12 @@
 """python -m megatron_patch.generate on CPU: greedy continuations of a batch of prompts with different
 lengths equal transformers' `generate` token for token (from a converted TP2xPP2 checkpoint, run at TP=1
-and at TP=2); sampling with a fixed seed is reproducible; bad input is refused."""
+and at TP=2); sampling with a fixed seed is reproducible; --stop ends generating (not only the text);
+bad input (empty prompts, an unwritable --out) is refused before the model loads; --out is written whole;
+without --out, stdout holds only the rows."""
 
+import io
 import json
+import os
 
 import pytest
 import torch
@@ -152,3 +156,175 @@ def test_single_prompt_streams_to_terminal(setup, tmp_path, capsys):
     seen = []
     out = generate(model, tok, [tok.tokenize(PROMPTS[1])], 8, top_k=1, on_tokens=lambda i, t: seen.append((i, t)))
     assert [len(t) for _, t in seen] == list(range(1, len(out[0]) + 1)) and seen[-1] == (0, out[0])
+
+
+def _model_never_loads(*args, **kwargs):
+    raise RuntimeError("the model was loaded")
+
+
+def _cut_at_stop(tok, tokens: list[int], stop: list[str], max_new: int) -> tuple[list[int], str]:
+    """Reference: the shortest prefix of an unstopped generation whose text holds a stop string."""
+    for j in range(1, len(tokens) + 1):
+        if any(s in tok.detokenize(tokens[:j]) for s in stop):
+            return tokens[:j], "stop"
+    return tokens, "length" if len(tokens) == max_new else "eod"
+
+
+def test_stop_string_ends_generation_at_the_completing_token(setup, tmp_path):
+    """A stop string that ends inside a token: that sequence's last token is the one completing it,
+    generated_text is exactly the decoding of generated_tokens (so it ends with the stop string plus the
+    rest of that token), the other sequences of the batch run on unchanged, and the model is run only
+    as many steps as tokens were kept (generation stopped, not trimmed afterwards)."""
+    from megatron_patch.generate import main
+    from megatron_patch.inference import generate, load_model
+    from megatron_patch.tokenizer import build_tokenizer
+
+    root, _, mc = setup
+    tok = build_tokenizer(TINY_TOKENIZER)
+    model, _ = load_model(mc, None)
+    ids = [tok.tokenize(p) for p in PROMPTS]
+    full = generate(model, tok, ids, 12, top_k=1, stop_id=tok.eod)
+    # a stop string for prompt 0: the last character before token k and the first of token k's text
+    for k in range(1, len(full[0]) - 1):
+        before, text = tok.detokenize(full[0][:k]), tok.detokenize(full[0][:k + 1])
+        if text.startswith(before) and len(text) - len(before) >= 2:
+            stop = before[-1:] + text[len(before)]
+            if stop not in before and text.index(stop) + len(stop) < len(text):  # ends inside token k
+                break
+    else:
+        raise AssertionError(f"no token of {full[0]} suits a mid-token stop string")
+
+    calls = []
+    hook = model.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        one = generate(model, tok, [ids[0]], 12, top_k=1, stop_id=tok.eod, stop=[stop])
+    finally:
+        hook.remove()
+    assert one == [full[0][:k + 1]] and len(calls) == k + 1 < 12
+
+    # and one spanning several tokens of prompt 2 (from inside its first token to the end of its fifth)
+    several = tok.detokenize(full[2][:5])[1:]
+    assert several not in tok.detokenize(full[0]) and several not in tok.detokenize(full[2][:4])
+    out = tmp_path / "stop.jsonl"
+    assert main(["--mcore-dir", mc, "--prompts", str(root / "prompts.jsonl"), "--out", str(out), "--greedy",
+                 "--max-new-tokens", "12", "--stop", stop, several]) == 0
+    rows = _rows(out)
+    assert rows[2]["generated_tokens"] == full[2][:5] and rows[2]["finish_reason"] == "stop"
+    for row, tokens in zip(rows, full):
+        want, reason = _cut_at_stop(tok, tokens, [stop, several], 12)
+        assert row["generated_tokens"] == want and row["finish_reason"] == reason
+        assert row["generated_text"] == tok.detokenize(row["generated_tokens"])
+    assert rows[0]["generated_tokens"] == full[0][:k + 1] and rows[0]["generated_text"].endswith(text[len(before):])
+    assert any(r["finish_reason"] == "length" for r in rows)  # the batch went on for the others
+
+
+def test_empty_prompt_is_refused_with_its_line(setup, tmp_path, capsys, monkeypatch):
+    from megatron_patch.generate import main
+    from megatron_patch.inference import generate
+    from megatron_patch.tokenizer import build_tokenizer
+
+    root, _, mc = setup
+    monkeypatch.setattr("megatron_patch.inference.load_model", _model_never_loads)
+    prompts = tmp_path / "p.jsonl"
+    for row in ({"prompt": ""}, {"messages": []}):
+        prompts.write_text(json.dumps({"prompt": "def f(x):"}) + "\n\n" + json.dumps(row) + "\n")
+        assert main(["--mcore-dir", mc, "--prompts", str(prompts), "--out", str(tmp_path / "o.jsonl")]) == 1
+        assert f"error: {prompts}, line 3: empty prompt" in capsys.readouterr().err
+    assert not (tmp_path / "o.jsonl").exists()
+    with pytest.raises(ValueError, match="prompt 1 is empty"):  # the library refuses it too
+        generate(None, build_tokenizer(TINY_TOKENIZER), [[5, 6], []], 4)
+
+
+def test_out_is_checked_before_the_model_loads(setup, tmp_path, capsys, monkeypatch):
+    from megatron_patch.generate import main
+
+    root, _, mc = setup
+    monkeypatch.setattr("megatron_patch.inference.load_model", _model_never_loads)
+    (tmp_path / "a_file").write_text("")
+    for out, match in [(tmp_path, "is a folder"), (tmp_path / "missing" / "o.jsonl", "does not exist"),
+                       (tmp_path / "a_file" / "o.jsonl", "is a file, not a folder")]:
+        assert main(["--mcore-dir", mc, "--prompts", str(root / "prompts.jsonl"), "--out", str(out)]) == 1
+        err = capsys.readouterr().err
+        assert f"error: --out {out}" in err and match in err, err
+    assert main(["--mcore-dir", mc, "--prompts", str(root / "prompts.jsonl"), "--stop", ""]) == 1
+    assert "error: --stop: an empty string" in capsys.readouterr().err
+
+
+def test_out_is_written_whole_with_the_umask_mode(setup, tmp_path):
+    """A failure while the results are written (here: a file-size limit, as a full disk would do, in a
+    plain process) leaves an existing --out as it was and no temporary file; a success replaces it with
+    the mode `open()` would give a new file under the user's umask."""
+    import resource
+    import signal
+    import subprocess
+    import sys
+
+    from megatron_patch.generate import main
+
+    root, _, mc = setup
+    out = tmp_path / "o.jsonl"
+    argv = ["--mcore-dir", mc, "--prompts", str(root / "prompts.jsonl"), "--out", str(out), "--greedy",
+            "--max-new-tokens", "3"]
+    out.write_text("old\n")
+
+    def small_files():  # in the child: writes past 200 bytes fail with EFBIG instead of a signal
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (200, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+    p = subprocess.run([sys.executable, "-m", "megatron_patch.generate", *argv], capture_output=True, text=True,
+                       env={**os.environ, "TORCHDYNAMO_DISABLE": "1"}, timeout=300, preexec_fn=small_files)
+    assert p.returncode == 1 and "error: [Errno 27] File too large" in p.stderr, p.stderr[-3000:]
+    assert out.read_text() == "old\n" and os.listdir(tmp_path) == ["o.jsonl"]
+    out.unlink()
+    old = os.umask(0o027)
+    try:
+        assert main(argv) == 0
+    finally:
+        os.umask(old)
+    assert len(_rows(out)) == 3 and os.stat(out).st_mode & 0o777 == 0o640
+    assert os.listdir(tmp_path) == ["o.jsonl"]
+
+
+def test_without_out_stdout_holds_only_the_rows(setup, capsys, monkeypatch):
+    """Rows on stdout (pipeable into a JSONL reader), the summary on stderr; stdin prompts, one per
+    non-blank line."""
+    from megatron_patch.generate import main
+
+    root, _, mc = setup
+    monkeypatch.setattr("sys.stdin", io.StringIO("def f(x):\n\nThe interpreter\n"))
+    assert main(["--mcore-dir", mc, "--greedy", "--max-new-tokens", "4", "--no-stream"]) == 0
+    captured = capsys.readouterr()
+    rows = [json.loads(line) for line in captured.out.splitlines()]
+    assert [r["prompt"] for r in rows] == ["def f(x):", "The interpreter"]
+    assert all(len(r["generated_tokens"]) == 4 and r["finish_reason"] == "length" for r in rows)
+    summary = json.loads(captured.err.strip().splitlines()[-1])
+    assert summary["prompts"] == 2 and summary["new_tokens"] == 8 and summary["out"] is None
+
+
+def test_generation_ends_before_eod(setup):
+    """megatron stops a sequence at the tokenizer's end-of-document token and leaves it out: the tokens
+    are those before it, and finish_reason says "eod". (A tokenizer whose eod is a token this model
+    generates greedily for prompt 2, at its 5th step.)"""
+    from megatron_patch.generate import finish_reason
+    from megatron_patch.inference import generate, load_model
+    from megatron_patch.tokenizer import build_tokenizer
+
+    *_, mc = setup
+    tok = build_tokenizer(TINY_TOKENIZER)
+    model, _ = load_model(mc, None)
+    full = generate(model, tok, [tok.tokenize(PROMPTS[2])], 12, top_k=1, stop_id=tok.eod)[0]
+    eod = full[4]
+    assert eod not in full[:4]
+
+    class EodIs:
+        def __init__(self, tokenizer, eod):
+            self.tokenizer, self.eod = tokenizer, eod
+
+        def __getattr__(self, name):
+            return getattr(self.tokenizer, name)
+
+    other = EodIs(tok, eod)
+    out = generate(model, other, [tok.tokenize(PROMPTS[2])], 12, top_k=1, stop_id=eod)[0]
+    assert out == full[:4]
+    assert finish_reason(tok.detokenize(out), out, [], 12) == "eod"
+    assert finish_reason(tok.detokenize(full), full, [], 12) == "length"

@@ -1,4 +1,5 @@
-"""All-or-nothing output folders: build in a temporary folder beside the target, rename when done.
+"""All-or-nothing outputs: a folder (a checkpoint) or a file (results, a report) is built under a
+temporary name beside the target and renamed over it when done; outputs are checked before any work.
 
 The temporary folder is `.OUT.partial-HOST-PID-XXXX`. A run killed outright (SIGKILL, a node lost)
 cannot clean up after itself, so the next run to the same output looks for such folders: one left by
@@ -12,9 +13,11 @@ import contextlib
 import os
 import shutil
 import socket
+import stat
 import sys
 import tempfile
 from collections.abc import Iterable, Iterator
+from typing import TextIO
 
 PARTIAL = ".partial-"
 OLD = ".old-"
@@ -32,8 +35,23 @@ def _inside(path: str, folder: str) -> bool:
     return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
 
 
+def _location_problem(out: str) -> str | None:
+    """Why `out` cannot be created in its folder (missing, a file, not writable), or None."""
+    parent = os.path.dirname(out)
+    existing = parent
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return f"{existing} is a file, not a folder"
+    if existing != parent:
+        return f"its parent folder {parent} does not exist"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"the folder {parent} is not writable"
+    return None
+
+
 def check_output(out: str, overwrite: bool = False, sources: Iterable[str | None] = ()) -> str:
-    """Refuse, before any work, an output that cannot or must not be written: it exists (without
+    """Refuse, before any work, an output folder that cannot or must not be written: it exists (without
     `overwrite`), it is an input or holds one (replacing it would delete the input), or its parent is
     missing, a file, or not writable. Returns the absolute path."""
     out = os.path.abspath(out)
@@ -44,17 +62,43 @@ def check_output(out: str, overwrite: bool = False, sources: Iterable[str | None
                              "choose another --out")
     if os.path.lexists(out) and not overwrite:
         raise FileExistsError(f"output {out} already exists (pass --overwrite to replace it)")
-    parent = os.path.dirname(out)
-    existing = parent
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        raise NotADirectoryError(f"cannot create {out}: {existing} is a file, not a folder")
-    if existing != parent:
-        raise FileNotFoundError(f"cannot create {out}: its parent folder {parent} does not exist")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise PermissionError(f"cannot create {out}: the folder {parent} is not writable")
+    problem = _location_problem(out)
+    if problem:
+        raise ValueError(f"cannot create {out}: {problem}")
     return out
+
+
+def check_output_file(path: str, flag: str) -> None:
+    """Refuse now, before any work, an output file that could not be written at the end: `path` is a
+    folder or an unwritable file, or its folder is missing, a file, or not writable. `flag` names the
+    option in the error."""
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path} is a folder; pass a file path")
+    problem = _location_problem(os.path.abspath(path))
+    if problem:
+        raise ValueError(f"{flag} {path}: {problem}")
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        raise ValueError(f"{flag} {path} is not writable")
+
+
+@contextlib.contextmanager
+def atomic_output_file(path: str) -> Iterator[TextIO]:
+    """A text file to write `path` through: a temporary file beside it, renamed over `path` when the block
+    ends normally, removed on any error (Ctrl-C and SIGTERM included), leaving `path` as it was. The
+    file gets the mode `open(path, "w")` would give it: an existing file's, else 0o666 less the umask
+    (a temporary file is created private, 0o600)."""
+    path = os.path.abspath(path)
+    mode = stat.S_IMODE(os.stat(path).st_mode) if os.path.isfile(path) else 0o666 & ~_umask()
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}{PARTIAL}", dir=os.path.dirname(path))
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            yield f
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
 
 
 def _pid_alive(pid: int) -> bool:
