@@ -23,8 +23,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 import os
-import shutil
 import statistics
 import sys
 import time
@@ -70,7 +70,14 @@ def grpo_loss(logps, old, ref, advantages, mask, clip: float, kl_coef: float):
     per_token = policy + kl_coef * kl
     n = mask.sum(1).clamp(min=1)
     loss = ((per_token * mask).sum(1) / n).mean()
-    return loss, float(((kl * mask).sum(1) / n).mean())
+    return loss, ((kl.detach() * mask).sum(1) / n).mean().item()
+
+
+def with_end_token(completions: list[list[int]], max_new_tokens: int, eod: int) -> list[list[int]]:
+    """The sampled completions as trained on: one that ended before `max_new_tokens` ended by sampling
+    the end-of-document token, which generation leaves out; it is put back, so that the policy is
+    trained on (and credited or blamed for) stopping there."""
+    return [c + [eod] if len(c) < max_new_tokens else c for c in completions]
 
 
 def batch_of(prompts: list[list[int]], completions: list[list[int]], pad: int, device) -> tuple:
@@ -86,12 +93,13 @@ def batch_of(prompts: list[list[int]], completions: list[list[int]], pad: int, d
     return tokens.to(device), labels.to(device), mask.to(device)
 
 
-def save_hf(model, cfg: dict, tokenizer_dir: str, out: str, tp: int) -> None:
-    """The policy as an HF folder (every TP rank's weights gathered on rank 0; written beside `out`, renamed)."""
+def save_hf(model, cfg: dict, tokenizer_dir: str, out: str, tp: int, overwrite: bool = False) -> None:
+    """The policy as an HF folder: every TP rank's weights gathered on rank 0, written by the converter's
+    writer (atomically; NaN / Inf refused)."""
     import torch.distributed as dist
 
+    from megatron_patch.conversion.convert import save_hf_state
     from megatron_patch.conversion.engine import make_plan, megatron_to_hf
-    from megatron_patch.conversion.hf_io import HFShardWriter, copy_side_files
     from megatron_patch.models import Layout
 
     mine = {k: v.detach().cpu() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
@@ -104,31 +112,45 @@ def save_hf(model, cfg: dict, tokenizer_dir: str, out: str, tp: int) -> None:
         return
     hf = megatron_to_hf(make_plan(cfg, Layout(tp, 1), model.config.transformer_impl),
                         {(t, 0, 0): sd for t, sd in enumerate(states)})
-    tmp = out + ".partial"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    writer = HFShardWriter(tmp)
-    for name, tensor in hf.items():
-        writer.add(name, tensor)
-    writer.close()
-    copy_side_files(tokenizer_dir, tmp)
-    with open(os.path.join(tmp, "config.json"), "w") as f:
-        json.dump(cfg, f, indent=2)
-    os.rename(tmp, out)
+    save_hf_state(hf, cfg, out, side_dir=tokenizer_dir, overwrite=overwrite)
+
+
+def rewards_of(reward_fn: Callable[[str, str], float], spec: str, texts: list[str], rows: list[int],
+               completions: list[str], group_size: int) -> torch.Tensor:
+    """The reward of each completion; anything but a finite number is refused, naming the prompt and
+    sample (a NaN reward would turn the whole policy into NaN)."""
+    values = []
+    for n, (i, completion) in enumerate(zip(rows, completions)):
+        value = reward_fn(texts[i], completion)
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            number = None
+        if number is None or isinstance(value, bool) or not math.isfinite(number):
+            raise ValueError(f"--reward {spec} returned {value!r} for prompt {i + 1} ({texts[i][:40]!r}), sample "
+                             f"{n % group_size + 1} of its group: a reward must be a finite number")
+        values.append(number)
+    return torch.tensor(values)
 
 
 def train(args) -> dict:
-    from megatron_patch.generate import _prompts
+    from megatron_patch.inference import read_prompts
     from megatron_patch.inference import DTYPES, generate, load_model
     from megatron_patch.tokenizer import build_tokenizer
     from megatron_patch.cli import is_first_rank
+    from megatron_patch.conversion.atomic import check_output
 
-    if args.out and os.path.exists(args.out):
-        raise ValueError(f"--out {args.out} already exists")
+    if args.group_size < 2:
+        raise ValueError("--group-size must be >= 2: advantages are normalised within each prompt's group, so a "
+                         "group of one always has advantage 0 and nothing is learned")
+    if args.out:
+        check_output(args.out, args.overwrite, [args.hf_dir, args.mcore_dir])
+    elif is_first_rank():
+        print("warning: no --out: the trained policy will not be saved", file=sys.stderr)
     reward_fn = load_reward(args.reward)
     tok_dir = args.tokenizer or (os.path.join(args.mcore_dir, "hf") if args.mcore_dir else args.hf_dir)
     tokenizer = build_tokenizer(tok_dir)
-    texts, prompt_ids = _prompts(args, tokenizer)
+    texts, prompt_ids = read_prompts(args.prompts, tokenizer, args.chat)
     torch.manual_seed(args.seed)
     dtype = DTYPES[args.dtype]
     policy, cfg = load_model(args.mcore_dir, args.hf_dir, args.tp, 1, args.impl, dtype)
@@ -148,8 +170,9 @@ def train(args) -> dict:
         policy.eval()
         completions = generate(policy, tokenizer, prompts, args.max_new_tokens, args.temperature, 0, args.top_p,
                                seed=args.seed + step, max_batch_size=len(prompts), stop_id=tokenizer.eod)
-        rewards = torch.tensor([float(reward_fn(texts[i], tokenizer.detokenize([t for t in c if t != tokenizer.eod])))
-                                for i, c in zip(rows, completions)])
+        rewards = rewards_of(reward_fn, args.reward, texts, rows, [tokenizer.detokenize(c) for c in completions],
+                             args.group_size)
+        completions = with_end_token(completions, args.max_new_tokens, tokenizer.eod)
         advantages = group_advantages(rewards, args.group_size).to(device)
         tokens, labels, mask = batch_of(prompts, completions, tokenizer.pad, device)
         with torch.no_grad():
@@ -159,17 +182,20 @@ def train(args) -> dict:
         for _ in range(args.epochs):
             loss, kl = grpo_loss(token_logps(policy, tokens, labels), old, ref, advantages, mask, args.clip,
                                  args.kl_coef)
+            if not torch.isfinite(loss):
+                raise ValueError(f"step {step + 1}: the loss is {loss.item()} (non-finite); stopping before the "
+                                 "policy is corrupted (lower --lr or check the reward)")
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(policy.parameters(), args.clip_grad)
             opt.step()
         row = {"step": step + 1, "reward": round(float(rewards.mean()), 4), "kl": round(kl, 5),
-               "loss": round(float(loss), 5)}
+               "loss": round(loss.item(), 5)}
         history.append(row)
         if is_first_rank():
             print(json.dumps(row), file=sys.stderr, flush=True)
     if args.out:
-        save_hf(policy, cfg, tok_dir, args.out, args.tp)
+        save_hf(policy, cfg, tok_dir, args.out, args.tp, args.overwrite)
     k = max(1, len(history) // 5)
     return {"steps": len(history), "reward_first": round(statistics.mean(r["reward"] for r in history[:k]), 4),
             "reward_last": round(statistics.mean(r["reward"] for r in history[-k:]), 4),
@@ -177,28 +203,32 @@ def train(args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megatron_patch.inference import add_model_args
+    from megatron_patch.cli import HelpFormatter, positive_float, positive_int
     from megatron_patch.cli import run as run_tool
+    from megatron_patch.inference import add_model_args
 
-    p = argparse.ArgumentParser(prog="python -m megatron_patch.rlhf.grpo", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m megatron_patch.rlhf.grpo", description=__doc__.split("\n")[0],
+                                formatter_class=HelpFormatter)
     add_model_args(p)
     p.add_argument("--prompts", required=True, help="JSONL prompts (`prompt` text or chat `messages`)")
     p.add_argument("--chat", action="store_true", help="render plain prompts with the chat template")
     p.add_argument("--reward", required=True, help="module:function, called as fn(prompt, completion) -> float")
-    p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--prompts-per-step", type=int, default=8)
-    p.add_argument("--group-size", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=0.0)
-    p.add_argument("--lr", type=float, default=1e-6)
-    p.add_argument("--epochs", type=int, default=1, help="policy updates per batch of rollouts")
-    p.add_argument("--clip", type=float, default=0.2)
-    p.add_argument("--kl-coef", type=float, default=0.04)
-    p.add_argument("--clip-grad", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--steps", type=positive_int, default=100, help="optimisation steps")
+    p.add_argument("--prompts-per-step", type=positive_int, default=8, help="prompts sampled per step")
+    p.add_argument("--group-size", type=positive_int, default=8, help="completions per prompt (>= 2)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=128, help="longest completion")
+    p.add_argument("--temperature", type=positive_float, default=1.0, help="sampling temperature of the rollouts")
+    p.add_argument("--top-p", type=float, default=0.0, help="nucleus sampling of the rollouts (0: off)")
+    p.add_argument("--lr", type=positive_float, default=1e-6, help="AdamW learning rate")
+    p.add_argument("--epochs", type=positive_int, default=1, help="policy updates per batch of rollouts")
+    p.add_argument("--clip", type=positive_float, default=0.2, help="PPO-style ratio clip")
+    p.add_argument("--kl-coef", type=float, default=0.04, help="weight of the KL penalty to the starting model")
+    p.add_argument("--clip-grad", type=positive_float, default=1.0, help="gradient norm clip")
+    p.add_argument("--seed", type=int, default=1234, help="sampling seed")
     p.add_argument("--out", help="write the final policy here as an HF folder")
-    return run_tool(lambda: train(p.parse_args(argv)))[0]
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    args = p.parse_args(argv)
+    return run_tool(lambda: train(args))[0]
 
 
 if __name__ == "__main__":

@@ -1,0 +1,102 @@
+"""GRPO's guards: a reward that is not a finite number is refused naming the prompt and sample (a NaN
+reward would write an all-NaN policy), a group of one (advantage always 0) is refused, --out is checked
+before any rollout (existing without --overwrite; no --out is warned about), and the exported policy's
+config states its dtype."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from tests.test_rlhf import hf_start  # noqa: F401  (fixture: a tiny causal LM with the tiny tokenizer)
+
+
+def nan_reward(prompt: str, completion: str) -> float:
+    return math.nan if prompt.startswith("A list") else 1.0
+
+
+def text_reward(prompt: str, completion: str):
+    return "good"
+
+
+def constant_reward(prompt: str, completion: str) -> float:
+    return float(len(completion) % 3)
+
+
+@pytest.fixture
+def prompts(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["The module", "A list of values"]))
+    return str(path)
+
+
+def _grpo(hf_start, prompts, reward, *extra):
+    from megatron_patch.rlhf.grpo import main
+
+    return main(["--hf-dir", hf_start, "--prompts", prompts, "--reward", f"tests.test_grpo:{reward}", "--steps", "1",
+                 "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "4", *extra])
+
+
+def test_non_finite_or_non_numeric_reward_is_refused(cpu_megatron, hf_start, prompts, tmp_path, capsys):
+    out = tmp_path / "policy"
+    assert _grpo(hf_start, prompts, "nan_reward", "--out", str(out)) == 1
+    err = capsys.readouterr().err
+    assert "error: --reward tests.test_grpo:nan_reward returned nan for prompt 2 ('A list of values'), sample 1 " \
+           "of its group: a reward must be a finite number" in err, err
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if ".partial-" in p.name]
+    assert _grpo(hf_start, prompts, "text_reward") == 1
+    assert "returned 'good' for prompt 1" in capsys.readouterr().err
+
+
+def test_group_of_one_is_refused(cpu_megatron, hf_start, prompts, capsys):
+    from megatron_patch.rlhf.grpo import main
+
+    assert main(["--hf-dir", hf_start, "--prompts", prompts, "--reward", "tests.test_grpo:constant_reward",
+                 "--group-size", "1"]) == 1
+    assert "error: --group-size must be >= 2" in capsys.readouterr().err
+
+
+def test_out_checked_first_warned_when_missing_and_written_with_its_dtype(cpu_megatron, hf_start, prompts,
+                                                                         tmp_path, capsys):
+    out = tmp_path / "policy"
+    out.mkdir()
+    assert _grpo(hf_start, prompts, "constant_reward", "--out", str(out)) == 1
+    assert "already exists (pass --overwrite to replace it)" in capsys.readouterr().err
+    assert _grpo(hf_start, prompts, "constant_reward", "--out", str(out), "--overwrite") == 0
+    assert json.load(open(out / "config.json"))["dtype"] == "float32"
+    assert _grpo(hf_start, prompts, "constant_reward", "--out", str(out), "--overwrite", "--dtype", "bf16") == 0
+    from transformers import AutoModelForCausalLM
+
+    cfg = json.load(open(out / "config.json"))
+    assert cfg["dtype"] == cfg["torch_dtype"] == "bfloat16"
+    assert AutoModelForCausalLM.from_pretrained(str(out), dtype="auto").dtype == torch.bfloat16
+    assert _grpo(hf_start, prompts, "constant_reward") == 0
+    assert "warning: no --out: the trained policy will not be saved" in capsys.readouterr().err
+
+
+def test_loss_reports_its_kl_without_a_scalar_conversion_warning():
+    """grpo_loss returns the mean KL as a plain float taken from detached values (float() of a tensor
+    that requires grad warned on every step)."""
+    import warnings
+
+    from megatron_patch.rlhf.grpo import grpo_loss
+
+    logps = torch.tensor([[-1.0, -2.0], [-1.5, -0.5]], requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss, kl = grpo_loss(logps, logps.detach(), logps.detach() - 0.1, torch.tensor([1.0, -1.0]),
+                             torch.ones(2, 2), 0.2, 0.1)
+    assert isinstance(kl, float) and kl > 0 and loss.requires_grad
+
+
+def test_completions_that_stopped_are_trained_with_their_end_token():
+    """Generation leaves the sampled end-of-document token out; a completion shorter than
+    --max-new-tokens ended with it, and the policy must learn that choice too."""
+    from megatron_patch.rlhf.grpo import batch_of, with_end_token
+
+    completions = with_end_token([[5, 6], [7, 8, 9]], max_new_tokens=3, eod=0)
+    assert completions == [[5, 6, 0], [7, 8, 9]]
+    tokens, labels, mask = batch_of([[1, 2], [3]], completions, pad=99, device="cpu")
+    # the end token is a trained label of the first row (position 3 predicts it)
+    assert labels[0, 3] == 0 and mask[0, 3] == 1 and mask[0].sum() == 3 and mask[1].sum() == 3
