@@ -25,6 +25,7 @@ setup(
     ],
     extras_require={
         "te": ["transformer-engine[pytorch]>=2.0"],
-        "test": ["pytest>=8.0"],
+        "lm_eval": ["lm-eval[hf]>=0.4.13,<0.5"],
+        "test": ["pytest>=8.0", "lm-eval[hf]>=0.4.13,<0.5"],
     },
 )
