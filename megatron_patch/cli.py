@@ -150,9 +150,9 @@ def is_first_rank() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-class HelpFormatter(argparse.HelpFormatter):
-    """Help that shows each option's default (when it has one the help does not already state) and
-    marks required options."""
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Help that keeps the description as written (a tool's docstring), shows each option's default
+    (when it has one the help does not already state) and marks required options."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""

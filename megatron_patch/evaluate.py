@@ -167,17 +167,19 @@ def evaluate(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from megatron_patch.cli import HelpFormatter, positive_int, run
     from megatron_patch.inference import add_model_args
-    from megatron_patch.cli import run
 
-    p = argparse.ArgumentParser(prog="python -m megatron_patch.evaluate", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m megatron_patch.evaluate", description=__doc__,
+                                formatter_class=HelpFormatter)
     add_model_args(p)
     p.add_argument("--text", help="JSONL documents for perplexity")
-    p.add_argument("--json-key", default="text")
+    p.add_argument("--json-key", default="text", help="the field of --text rows holding the document")
     p.add_argument("--data-prefix", help="a Megatron indexed dataset for perplexity")
     p.add_argument("--choices", help='JSONL multiple-choice rows {"question", "choices": [...], "answer": 0-based '
                    'index}; each choice is scored as the continuation " " + choice (no doubled space)')
-    p.add_argument("--seq-length", type=int, default=2048)
+    p.add_argument("--seq-length", type=positive_int, default=2048, metavar="N",
+                   help="perplexity window (tokens scored per forward pass)")
     p.add_argument("--report", help="also write the JSON report here (checked before the model loads, written whole)")
     args = p.parse_args(argv)
     return run(lambda: evaluate(args))[0]

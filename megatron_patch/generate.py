@@ -91,23 +91,25 @@ def run(args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megatron_patch.inference import add_model_args
+    from megatron_patch.cli import HelpFormatter, positive_int
     from megatron_patch.cli import run as run_tool
+    from megatron_patch.inference import add_model_args
 
-    p = argparse.ArgumentParser(prog="python -m megatron_patch.generate", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m megatron_patch.generate", description=__doc__,
+                                formatter_class=HelpFormatter)
     add_model_args(p)
     p.add_argument("--prompts", help="JSONL prompts (default: one per stdin line)")
     p.add_argument("--out", help="JSONL results, written whole at the end (default: stdout, the summary then on stderr)")
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-new-tokens", type=positive_int, default=256, metavar="N", help="longest generation")
     p.add_argument("--greedy", action="store_true", help="argmax decoding (same as --top-k 1)")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: all)")
+    p.add_argument("--top-p", type=float, default=0.0, help="nucleus sampling threshold (0: off)")
+    p.add_argument("--seed", type=int, default=1234, help="sampling seed")
     p.add_argument("--chat", action="store_true", help="render plain prompts with the chat template")
     p.add_argument("--stop", nargs="*", help="end a generation as soon as its text contains one of these strings "
                    "(kept in generated_text; its last token is the one that completed the string)")
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=positive_int, default=8, metavar="N", help="prompts generated together")
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
                    help="print the text to stderr as it is generated (default: on for one prompt on a terminal)")
     args = p.parse_args(argv)

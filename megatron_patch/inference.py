@@ -10,16 +10,16 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-import torch
-
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from megatron_patch.names import DTYPE_NAMES, IMPLS, torch_dtype
 
 
 def load_model(mcore_dir: str | None, hf_dir: str | None, tp: int = 1, pp: int = 1, impl: str | None = None,
-               dtype: torch.dtype = torch.float32, ep: int = 1):
+               dtype=None, ep: int = 1):
     """(this rank's GPTModel, hf_config): a Megatron checkpoint as stored (its own implementation), or
-    an HF folder converted in memory for this rank (`impl`, default local)."""
+    an HF folder converted in memory for this rank (`impl`, default local; `dtype` default fp32)."""
+    import torch
+
+    dtype = dtype or torch.float32
     if mcore_dir:
         from megatron_patch.conversion.mcore_io import load_megatron_model
 
@@ -41,16 +41,20 @@ def load_model(mcore_dir: str | None, hf_dir: str | None, tp: int = 1, pp: int =
 
 
 def add_model_args(parser) -> None:
-    """The model options shared by `generate` and `evaluate`."""
+    """The model options shared by `generate`, `evaluate` and GRPO."""
+    from megatron_patch.cli import positive_int
+
     parser.add_argument("--mcore-dir", help="a Megatron checkpoint (either format, any stored layout)")
     parser.add_argument("--hf-dir", help="or an HF folder, converted in memory")
     parser.add_argument("--tokenizer", help="tokenizer folder / model (default: the checkpoint's hf/ or --hf-dir)")
-    parser.add_argument("--tp", type=int, default=1, help=">1 needs torchrun with TP x PP processes")
-    parser.add_argument("--pp", type=int, default=1)
-    parser.add_argument("--ep", type=int, default=1, help="expert parallel (mixture-of-experts models)")
-    parser.add_argument("--impl", choices=("local", "transformer_engine"),
+    parser.add_argument("--tp", type=positive_int, default=1, metavar="N",
+                        help="tensor parallel ranks (>1: under torchrun with TP x PP processes)")
+    parser.add_argument("--pp", type=positive_int, default=1, metavar="N", help="pipeline parallel ranks")
+    parser.add_argument("--ep", type=positive_int, default=1, metavar="N",
+                        help="expert parallel ranks (mixture-of-experts models)")
+    parser.add_argument("--impl", choices=IMPLS,
                         help="model implementation (default: a Megatron checkpoint's own; local for --hf-dir)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
+    parser.add_argument("--dtype", choices=DTYPE_NAMES, default="fp32",
                         help="weights and activations (bf16 is the usual choice on a GPU)")
 
 
@@ -71,7 +75,7 @@ def model_and_tokenizer(args, before_loading=None):
                                                    else args.hf_dir))
     if before_loading is not None:
         before_loading(tokenizer)
-    model, cfg = load_model(args.mcore_dir, args.hf_dir, args.tp, args.pp, args.impl, DTYPES[args.dtype], args.ep)
+    model, cfg = load_model(args.mcore_dir, args.hf_dir, args.tp, args.pp, args.impl, torch_dtype(args.dtype), args.ep)
     vocab = get_family(cfg).shapes(cfg, Layout()).vocab_size
     if tokenizer.vocab_size > vocab:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is {vocab}")
@@ -160,6 +164,8 @@ def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, te
     params.no_detokenize_streaming_text = True  # streamed tokens are decoded by the caller
     params.no_early_termination = stop_id is None  # megatron otherwise stops at the tokenizer's eod
     out: list[list[int]] = []
+    import torch
+
     with torch.no_grad(), patches.applied("cpu_cuda_calls"):
         for start in range(0, len(prompts), max_batch_size):
             batch = prompts[start: start + max_batch_size]
@@ -184,6 +190,7 @@ def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, te
 def _stop_string_controller() -> type:
     """megatron's `TextGenerationController`, also ending a request once its generated text contains a
     stop string (built on first use: megatron-core is imported lazily)."""
+    import torch
     from megatron.core.inference.text_generation_controllers.text_generation_controller import (
         TextGenerationController,
     )

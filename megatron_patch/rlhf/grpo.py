@@ -135,10 +135,11 @@ def rewards_of(reward_fn: Callable[[str, str], float], spec: str, texts: list[st
 
 def train(args) -> dict:
     from megatron_patch.inference import read_prompts
-    from megatron_patch.inference import DTYPES, generate, load_model
+    from megatron_patch.inference import generate, load_model
     from megatron_patch.tokenizer import build_tokenizer
     from megatron_patch.cli import is_first_rank
     from megatron_patch.conversion.atomic import check_output
+    from megatron_patch.names import torch_dtype
 
     if args.group_size < 2:
         raise ValueError("--group-size must be >= 2: advantages are normalised within each prompt's group, so a "
@@ -152,7 +153,7 @@ def train(args) -> dict:
     tokenizer = build_tokenizer(tok_dir)
     texts, prompt_ids = read_prompts(args.prompts, tokenizer, args.chat)
     torch.manual_seed(args.seed)
-    dtype = DTYPES[args.dtype]
+    dtype = torch_dtype(args.dtype)
     policy, cfg = load_model(args.mcore_dir, args.hf_dir, args.tp, 1, args.impl, dtype)
     reference, _ = load_model(args.mcore_dir, args.hf_dir, args.tp, 1, args.impl, dtype)
     for p in reference.parameters():
@@ -207,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_patch.cli import run as run_tool
     from megatron_patch.inference import add_model_args
 
-    p = argparse.ArgumentParser(prog="python -m megatron_patch.rlhf.grpo", description=__doc__.split("\n")[0],
+    p = argparse.ArgumentParser(prog="python -m megatron_patch.rlhf.grpo", description=__doc__,
                                 formatter_class=HelpFormatter)
     add_model_args(p)
     p.add_argument("--prompts", required=True, help="JSONL prompts (`prompt` text or chat `messages`)")
