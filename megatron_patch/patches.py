@@ -8,7 +8,10 @@ patch by name; nothing is patched at import time.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
+import os
+import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -78,6 +81,10 @@ def applied(name: str) -> Iterator[bool]:
 
 def registry() -> dict[str, Patch]:
     return dict(_REGISTRY)
+
+
+def is_active(name: str) -> bool:
+    return name in _ACTIVE
 
 
 class _NoTimingEvent:
@@ -194,5 +201,145 @@ def _prebuilt_dataset_helpers() -> Callable[[], None] | None:
 
     def undo() -> None:
         utils.compile_helpers = original
+
+    return undo
+
+
+class _DummyStream:
+    """A CUDA stream with nothing to wait for (the CPU runs in order)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait_stream(self, _stream) -> None:
+        pass
+
+    def wait_event(self, _event) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return event or _NoTimingEvent()
+
+
+class _StandInCudaRng:
+    """The "CUDA" generator state of a machine without one: a CPU generator state kept apart, so forking
+    it (the tensor-parallel RNG tracker) never moves the CPU generator that CPU initialisation draws from."""
+
+    def __init__(self) -> None:
+        self.state = torch.Generator().manual_seed(0).get_state()
+
+    def get(self, device="cuda", *args, **kwargs) -> torch.Tensor:
+        return self.state.clone()
+
+    def set(self, new_state: torch.Tensor, device="cuda", *args, **kwargs) -> None:
+        self.state = new_state.clone()
+
+    def seed(self, seed: int) -> None:
+        self.state = torch.Generator().manual_seed(seed).get_state()
+
+
+_CUDA_RNG = _StandInCudaRng()
+
+
+def _swap(targets: list[tuple[object, str, object]]) -> Callable[[], None]:
+    """Set each (owner, attribute, value); returns the undo."""
+    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in targets]
+    for owner, name, value in targets:
+        setattr(owner, name, value)
+
+    def undo() -> None:
+        for owner, name, value in reversed(originals):
+            setattr(owner, name, value)
+
+    return undo
+
+
+@register("cpu_parallel_state", ">=0.17,<0.20")
+def _cpu_parallel_state() -> Callable[[], None] | None:
+    """Let megatron-core set up model parallelism, wrap models in its DDP and keep its RNG tracker on a
+    machine without a GPU (gloo worlds; the CPU test harness and `--cpu` training):
+    - `torch.cuda.device_count` answers 1: `megatron/training/initialize.py` (`_initialize_distributed`)
+      silently skips `initialize_model_parallel` when it is 0; `torch.cuda.set_device` is a no-op.
+    - `torch.cuda.current_stream` (`distributed/distributed_data_parallel.py`,
+      `param_and_grad_buffer.py`): a stream with nothing to wait for.
+    - the CUDA RNG state (`torch.cuda.get_rng_state` / `set_rng_state`, `tensor_parallel/random.py`'s
+      `_set_cuda_rng_state`; the TP RNG tracker's forks, checkpoint save/load in
+      `training/checkpointing.py`): a separate CPU generator state stands in for the GPU's, so forks never
+      touch the generator CPU initialisation draws from.
+    - `CUDA_DEVICE_MAX_CONNECTIONS=1` (megatron asserts it for TP/CP > 1), unless set.
+    Does nothing when CUDA is available."""
+    if torch.cuda.is_available():
+        return None
+    from megatron.core.tensor_parallel import random as mc_random
+
+    undo_swaps = _swap([
+        (torch.cuda, "device_count", lambda: 1),
+        (torch.cuda, "set_device", lambda device: None),
+        (torch.cuda, "current_stream", lambda device=None: _DummyStream()),
+        (torch.cuda, "get_rng_state", _CUDA_RNG.get),
+        (torch.cuda, "set_rng_state", _CUDA_RNG.set),
+        (mc_random, "_set_cuda_rng_state", lambda new_state, device=-1, graph_safe=False: _CUDA_RNG.set(new_state)),
+    ])
+    set_env = "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ
+    if set_env:
+        os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+
+    def undo() -> None:
+        undo_swaps()
+        if set_env:
+            os.environ.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
+
+    return undo
+
+
+def _cpu_device_properties(device=None) -> types.SimpleNamespace:
+    return types.SimpleNamespace(major=9, minor=0, name="cpu", total_memory=0, multi_processor_count=1)
+
+
+@register("cpu_training", ">=0.17,<0.20")
+def _cpu_training() -> Callable[[], None] | None:
+    """Run megatron.training's loop (`pretrain`) on a machine without a GPU: `--cpu` of our training entry
+    points, for tiny models (debugging a recipe on a laptop; the CPU tests). On top of `cpu_cuda_calls`
+    and `cpu_parallel_state` (applied with it):
+    - `megatron/training/training.py` (`pretrain`) calls `initialize_megatron()`, which asserts
+      `torch.cuda.is_available()` unless given `allow_no_cuda=True`: the name `pretrain` calls is
+      pointed at `initialize_megatron(allow_no_cuda=True)`.
+    - `megatron/training/arguments.py` (`validate_args`) reads `torch.cuda.get_device_properties` for
+      TP > 1 (sequence-parallel and communication-overlap rules): a stand-in device answers.
+    - the training RNG tracker (`tensor_parallel/random.py`: `model_parallel_cuda_manual_seed`,
+      `_get_cuda_rng_state`) seeds and forks the CUDA generator: `torch.cuda.manual_seed[_all]` and
+      `_get_cuda_rng_state` use the stand-in state of `cpu_parallel_state`.
+    - `training.get_model` builds DDP under a dedicated `torch.cuda.Stream()` (`torch.cuda.stream`):
+      streams with nothing to wait for.
+    - the optimizer (`core/optimizer`) and gradient clipping check `Tensor.type()` for `torch.cuda.*`:
+      `CudaTensorsOnCpu` answers with the CUDA type name of the CPU tensor.
+    Does nothing when CUDA is available."""
+    if torch.cuda.is_available():
+        return None
+    from megatron.core.tensor_parallel import random as mc_random
+    from megatron.training import training
+
+    dependencies = [name for name in ("cpu_cuda_calls", "cpu_parallel_state") if not is_active(name)]
+    for name in dependencies:
+        apply(name)
+    init = functools.partial(training.initialize_megatron, allow_no_cuda=True)
+    undo_swaps = _swap([
+        (training, "initialize_megatron", init),
+        (torch.cuda, "get_device_properties", _cpu_device_properties),
+        (torch.cuda, "manual_seed", _CUDA_RNG.seed),
+        (torch.cuda, "manual_seed_all", _CUDA_RNG.seed),
+        (mc_random, "_get_cuda_rng_state", lambda device="cuda", clone=False, graph_safe=False: _CUDA_RNG.get()),
+        (torch.cuda, "Stream", _DummyStream),
+        (torch.cuda, "stream", lambda stream=None: contextlib.nullcontext()),
+        (CudaTensorsOnCpu, "report_cuda_types", True),
+    ])
+
+    def undo() -> None:
+        undo_swaps()
+        for name in reversed(dependencies):
+            revert(name)
 
     return undo

@@ -1,7 +1,8 @@
 """python -m megatron_patch.sft: supervised fine-tuning of any registered family on megatron.training.
 
     torchrun --nproc_per_node 8 -m megatron_patch.sft --load-hf Qwen2.5-7B-Instruct --sft-data chats.jsonl \\
-        --seq-length 4096 --micro-batch-size 1 --global-batch-size 64 --train-iters 1000 --lr 1e-5 --bf16 ...
+        --tensor-model-parallel-size 2 --seq-length 4096 --micro-batch-size 1 --global-batch-size 64 \\
+        --train-iters 1000 --lr 1e-5 --precision bf16 --save ckpt_sft --save-hf sft_hf
 
 Data: JSONL in chat form ({"messages": [...]}) or instruction form ({"instruction", "input", "output"}),
 rendered with the tokenizer's chat template (--tokenizer-model, an HF folder; default the --load-hf one),
@@ -12,6 +13,8 @@ packing and the micro-batch it lands in.
 """
 
 from __future__ import annotations
+
+import sys
 
 
 def add_sft_args(parser):
@@ -42,11 +45,12 @@ def _sft_settings(args) -> None:
     args.calculate_per_token_loss = True
 
 
-def main(argv: list[str] | None = None) -> None:
-    from megatron_patch.training.run import run
+def main(argv: list[str] | None = None) -> int:
+    from megatron_patch.training.run import main as run_main
 
-    run(argv, datasets_provider, add_sft_args, indexed_data=False, adjust=_sft_settings)
+    return run_main("sft", __doc__, argv, datasets_provider, extra_args_provider=add_sft_args, indexed_data=False,
+                    adjust=_sft_settings)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,19 +1,18 @@
 """Test-only harness: run megatron-core 0.19.2 on a machine without a GPU, in gloo worlds.
 
-Nothing here is library code. `install()` redirects the CUDA calls megatron-core makes
-unconditionally; `run_world(n, fn, *args)` runs `fn(rank, *args)` in n spawned gloo processes and
-returns the per-rank results, so one spawned world can run many checks.
+Nothing here is library code. `install()` applies the library's patches that redirect the CUDA calls
+megatron-core makes unconditionally (`megatron_patch/patches.py`, one place for each redirect);
+`run_world(n, fn, *args)` runs `fn(rank, *args)` in n spawned gloo processes and returns the per-rank
+results, so one spawned world can run many checks.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import pickle
 import socket
 import tempfile
 import traceback
-import types
 
 import torch
 import torch.distributed as dist
@@ -22,82 +21,19 @@ import torch.multiprocessing as mp
 from megatron_patch import patches
 
 
-class _DummyStream:
-    def synchronize(self) -> None:
-        pass
-
-    def wait_stream(self, _stream) -> None:
-        pass
-
-
-_FAKE_CUDA_RNG = [torch.Generator().manual_seed(0).get_state()]
-
-
-def _get_fake_cuda_rng(device="cuda") -> torch.Tensor:
-    return _FAKE_CUDA_RNG[0].clone()
-
-
-def _set_fake_cuda_rng(state: torch.Tensor, device="cuda") -> None:
-    _FAKE_CUDA_RNG[0] = state.clone()
-
-
-def _seed_fake_cuda_rng(seed: int) -> None:
-    _FAKE_CUDA_RNG[0] = torch.Generator().manual_seed(seed).get_state()
-
-
 def install() -> None:
-    """Apply the CPU redirects (idempotent)."""
-    # `torch.cuda.current_device` (rotary_pos_embedding.py, tensor_parallel/layers.py,
-    # pipeline_parallel/p2p_communication.py) and `torch.cuda.synchronize` (p2p_communication.py,
-    # dist_checkpointing/strategies/filesystem_async.py), and tensors sent to "cuda" (`.cuda()`,
-    # `device="cuda"`: pipeline schedules' token counters, the tied output weight's all-reduce, the
-    # inference controller): the library's named patch covers them (`patches.CudaTensorsOnCpu`).
+    """Apply the CPU redirects megatron-core needs for forward passes, checkpoints and model-parallel
+    groups in gloo worlds (idempotent): the library's named patches (`megatron_patch.patches`), which
+    list every redirected call."""
     patches.apply("cpu_cuda_calls")
-    # `torch.cuda.current_stream` / `torch.cuda.stream` (distributed/distributed_data_parallel.py,
-    # param and grad buffers): no streams on CPU.
-    torch.cuda.current_stream = lambda device=None: _DummyStream()  # type: ignore[assignment]
-    # `torch.cuda.device_count` (parallel_state / initialize): 0 would make megatron skip
-    # model-parallel initialisation; `torch.cuda.set_device` is a no-op.
-    torch.cuda.device_count = lambda: 1  # type: ignore[assignment]
-    torch.cuda.set_device = lambda device: None  # type: ignore[assignment]
-    # CUDA RNG state (training/checkpointing.py get_rng_state, tensor_parallel/random.py
-    # _set_cuda_rng_state on load, the TP RNG tracker's forks): a separate state tensor stands in for
-    # the GPU generator, so forking it never touches the CPU generator that CPU initialisation uses
-    torch.cuda.get_rng_state = _get_fake_cuda_rng  # type: ignore[assignment]
-    torch.cuda.set_rng_state = _set_fake_cuda_rng  # type: ignore[assignment]
-    from megatron.core.tensor_parallel import random as mc_random
-
-    mc_random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: _set_fake_cuda_rng(new_state)
-    # The default causal mask of `megatron/core/transformer/utils.py` is built on "cuda": tests
-    # always pass an explicit boolean mask instead (megatron_patch.conversion.verify.causal_mask).
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    patches.apply("cpu_parallel_state")
 
 
 def install_training() -> None:
-    """Also the redirects megatron.training's loop needs on a CPU (on top of `install`)."""
-    import functools
-
-    from megatron.training import training
-
+    """Also the redirects megatron.training's loop needs on a CPU: the `cpu_training` patch, what
+    `--cpu` of the training entry points applies."""
     install()
-    patches.CudaTensorsOnCpu.report_cuda_types = True
-    # validate_args asks the device generation for TP > 1 (sequence-parallel / comm-overlap rules)
-    torch.cuda.get_device_properties = lambda device=None: types.SimpleNamespace(  # type: ignore[assignment]
-        major=9, minor=0, name="cpu", total_memory=0, multi_processor_count=1)
-    # the training RNG tracker forks the "CUDA" generator: the CPU one stands in
-    from megatron.core.tensor_parallel import random as mc_random
-
-    mc_random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: _get_fake_cuda_rng()
-    torch.cuda.manual_seed = _seed_fake_cuda_rng  # type: ignore[assignment]
-    torch.cuda.manual_seed_all = _seed_fake_cuda_rng  # type: ignore[assignment]
-    # training.get_model builds DDP under a dedicated `torch.cuda.Stream()`
-    torch.cuda.Stream = lambda *a, **k: _DummyStream()  # type: ignore[assignment]
-    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()  # type: ignore[assignment]
-    if not getattr(training.initialize_megatron, "_cpu", False):
-        # `initialize_megatron` asserts CUDA unless `allow_no_cuda` (pretrain() does not pass it)
-        init = functools.partial(training.initialize_megatron, allow_no_cuda=True)
-        init._cpu = True
-        training.initialize_megatron = init
+    patches.apply("cpu_training")
 
 
 def record_train_steps() -> list[dict]:

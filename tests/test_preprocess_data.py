@@ -175,3 +175,30 @@ def test_existing_output_needs_overwrite(tmp_path, capsys, good, tok, texts):
     assert read_back(str(tmp_path / "out_text_document")) == [tok.tokenize(t) for t in texts[30:35]]
     assert sorted(os.listdir(tmp_path)) == ["good.jsonl", "other.jsonl", "out_text_document.bin",
                                             "out_text_document.idx"]
+
+
+def test_input_without_tokens_is_refused(tmp_path, capsys):
+    """Only empty documents (or an empty file): an error and no dataset, not an empty dataset and exit 0."""
+    for name, lines in (("empty_docs.jsonl", ['{"text": ""}', '{"text": ""}']), ("empty_file.jsonl", [])):
+        src = tmp_path / name
+        src.write_text("".join(line + "\n" for line in lines))
+        code, err = run_main(capsys, ["--input", str(src)] + common(tmp_path))
+        assert code == 1
+        assert f"error: no document in {src} has any tokens ({len(lines)} empty 'text' values skipped)" in err
+        assert not [f for f in os.listdir(tmp_path) if not f.endswith(".jsonl")]
+
+
+def test_prefix_ending_in_the_suffix_is_not_doubled(tmp_path, capsys, good, tok, texts):
+    """--output-prefix X_text_document (the name --data-path takes) writes X_text_document.bin/.idx, and the
+    tool says what it wrote."""
+    prefix = str(tmp_path / "out_text_document")
+    assert output_paths(prefix) == (prefix + ".bin", prefix + ".idx")
+    content = str(tmp_path / "out_content_document")
+    assert output_paths(content, "content")[0] == content + ".bin"
+    assert output_paths(prefix, "content")[0] == prefix + "_content_document.bin"
+    code = main(["--input", good, "--output-prefix", prefix, "--tokenizer", TINY_TOKENIZER])
+    out, err = capsys.readouterr()
+    assert code == 0 and json.loads(out.strip().splitlines()[-1])["data_path"] == prefix
+    assert f"wrote {prefix}.bin and {prefix}.idx: train with --data-path {prefix}" in err
+    assert sorted(os.listdir(tmp_path)) == ["good.jsonl", "out_text_document.bin", "out_text_document.idx"]
+    assert read_back(prefix) == [tok.tokenize(t) for t in texts[:20] if t]

@@ -44,7 +44,7 @@ def _run(rank: int, argv: list[str]) -> dict:
     gpt.loss_func, gpt.get_batch = record_loss, record_batch
     with contextlib.redirect_stdout(io.StringIO()):
         try:
-            main(argv)
+            assert main(argv) == 0
         except SystemExit as e:  # --exit-interval ends the run with sys.exit(0)
             if e.code not in (0, None):
                 raise
@@ -164,7 +164,8 @@ def test_bad_input_is_refused_before_training(data, tmp_path):
         "no --data-path": ([a for a in _argv(data, str(tmp_path / "c")) if a not in ("--data-path", data)],
                            "no training data"),
         "missing prefix": (_argv(str(tmp_path / "nope"), str(tmp_path / "c")), "nope.bin"),
-        "fp8 without TE": (_argv(data, str(tmp_path / "c"), "--precision", "fp8"), "fp8 needs Transformer Engine"),
+        "fp8 on the CPU": (_argv(data, str(tmp_path / "c"), "--precision", "fp8"),
+                           "--precision fp8 cannot run on the CPU"),
         "architecture conflict": (_argv(data, str(tmp_path / "c"), "--num-layers", "7"), "--num-layers 7 conflicts"),
         "no architecture": (_argv(data, str(tmp_path / "c"), model=()), "no model architecture"),
         "vocab mismatch": (_argv(data, str(tmp_path / "c"), "--tokenizer-model", TINY_TOKENIZER,
@@ -176,6 +177,19 @@ def test_bad_input_is_refused_before_training(data, tmp_path):
     messages = _cpu.run_world(1, _parse_errors, [argv for argv, _ in cases.values()])[0]
     for (name, (_, match)), message in zip(cases.items(), messages):
         assert match in message, (name, message)
+
+
+def test_fp8_needs_transformer_engine():
+    """Without Transformer Engine, --precision fp8 is refused (on any machine)."""
+    import importlib.util
+    from argparse import Namespace
+
+    from megatron_patch.training.arguments import apply_precision
+
+    if importlib.util.find_spec("transformer_engine") is not None:
+        pytest.skip("Transformer Engine is installed")
+    with pytest.raises(ValueError, match="fp8 needs Transformer Engine"):
+        apply_precision(Namespace(precision="fp8", bf16=False, fp16=False, fp8=None))
 
 
 def test_blend_weights_and_prefixes_are_checked(data, tmp_path):

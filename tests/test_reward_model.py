@@ -11,7 +11,7 @@ from megatron_patch.conversion.hf_io import read_all
 from megatron_patch.conversion.engine import hf_to_megatron, load_rank_state_dict, make_plan
 from megatron_patch.conversion.verify import megatron_logits
 from megatron_patch.models import Layout, build_model, get_family
-from megatron_patch.models.reward import as_reward_config, sequence_values
+from megatron_patch.models.reward import as_reward_config, scored_values
 from tests.models import any_config
 from toolkits.checkpoint_converter.__main__ import main as convert
 
@@ -43,7 +43,7 @@ def test_values_equal_hf_sequence_classification(cpu_megatron, variant):
     model = build_model(cfg)
     load_rank_state_dict(model, hf_to_megatron(make_plan(cfg, Layout()), sd.__getitem__, sd.keys())[(0, 0, 0)])
     ids, lengths = batch(cfg["vocab_size"], cfg["pad_token_id"])
-    values = sequence_values(megatron_logits(model, ids, 1), lengths)
+    values = scored_values(megatron_logits(model, ids, 1), ids, lengths, cfg["pad_token_id"])
     with torch.no_grad():
         ref = hf(input_ids=ids).logits[:, 0]
     torch.testing.assert_close(values, ref, atol=1e-5, rtol=0)
@@ -72,4 +72,44 @@ def test_round_trip_tp2_pp2_bitwise(cpu_megatron, tmp_path):
     ids, lengths = batch(cfg["vocab_size"], cfg["pad_token_id"])
     with torch.no_grad():
         ref = hf(input_ids=ids).logits[:, 0]
-    torch.testing.assert_close(sequence_values(megatron_logits(model, ids, 1), lengths), ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(scored_values(megatron_logits(model, ids, 1), ids, lengths, cfg["pad_token_id"]), ref,
+                               atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("eos_is_eod", [True, False])
+def test_training_scores_the_token_an_exported_model_scores(cpu_megatron, tmp_path, eos_is_eod):
+    """Preference data ends each answer with the tokenizer's end-of-document token. When the config's
+    eos (the reward model's pad_token_id) is that token, as for Llama-3 and Qwen2.5, HF's
+    ForSequenceClassification scores the token before it: training must score the same token, so an
+    exported model gives the values it was trained on (fp32, <= 1e-5)."""
+    from megatron_patch.rlhf.data import PreferenceDataset, flatten_pairs, read_preferences
+    from megatron_patch.rlhf.reward_model import reward_config
+    from megatron_patch.tokenizer import TINY_TOKENIZER, build_tokenizer
+
+    tok = build_tokenizer(TINY_TOKENIZER)
+    base = any_config("gqa")
+    cfg = reward_config({**base, "eos_token_id": tok.eod} if eos_is_eod else base)
+    assert (cfg["pad_token_id"] == tok.eod) is eos_is_eod
+    path = tmp_path / "prefs.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"Is {w} right?", "chosen": "yes " * n, "rejected": "no"}) + "\n"
+                            for n, w in enumerate(["this", "the module", "a list of values"], 1)))
+    ds = PreferenceDataset(read_preferences([str(path)], tok), 24, tok.pad)
+    batch = flatten_pairs(torch.utils.data.default_collate([ds[i] for i in range(len(ds))]))
+    assert all(batch["tokens"][i, n - 1] == tok.eod for i, n in enumerate(batch["lengths"]))
+    hf = hf_reward_model(cfg)
+    sd = hf.state_dict()
+    model = build_model(cfg)
+    load_rank_state_dict(model, hf_to_megatron(make_plan(cfg, Layout()), sd.__getitem__, sd.keys())[(0, 0, 0)])
+    from megatron_patch.rlhf import reward_model
+
+    # the loss function training calls, on our model's per-position values
+    _, _, report = reward_model.pairwise_loss(batch["tokens"], batch["lengths"],
+                                              megatron_logits(model, batch["tokens"], 1))
+    ours = scored_values(megatron_logits(model, batch["tokens"], 1), batch["tokens"], batch["lengths"],
+                         cfg["pad_token_id"])
+    with torch.no_grad():  # each sequence as a user passes it to the exported model: unpadded
+        theirs = torch.stack([hf(input_ids=batch["tokens"][i: i + 1, :n]).logits[0, 0]
+                              for i, n in enumerate(batch["lengths"])])
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+    margin = (theirs.view(-1, 2)[:, 0] - theirs.view(-1, 2)[:, 1]).sum()
+    torch.testing.assert_close(report["margin"][0], margin, atol=1e-5, rtol=0)

@@ -47,7 +47,7 @@ def _train(rank: int, entry: str, argv: list[str]) -> dict:
 
     logged = _cpu.record_train_steps()
     with contextlib.redirect_stdout(io.StringIO()):
-        importlib.import_module(f"megatron_patch.rlhf.{entry}").main(argv)
+        assert importlib.import_module(f"megatron_patch.rlhf.{entry}").main(argv) == 0
     return {"logged": logged}
 
 
@@ -76,7 +76,7 @@ def test_reward_model_learns_the_rule(hf_start, tmp_path):
 
     from megatron_patch.conversion.verify import megatron_logits
     from megatron_patch.inference import load_model
-    from megatron_patch.models.reward import sequence_values
+    from megatron_patch.models.reward import scored_values
 
     train, held = tmp_path / "train.jsonl", tmp_path / "held.jsonl"
     train.write_text("".join(json.dumps(r) + "\n" for r in preferences(400, 0)))
@@ -89,14 +89,13 @@ def test_reward_model_learns_the_rule(hf_start, tmp_path):
     tok = build_tokenizer(TINY_TOKENIZER)
     batch = _pairs(tok, str(held), 32)
     hf = AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "rm_hf")).eval()
-    with torch.no_grad():
-        # HF finds the last real token through pad_token_id; give it the same lengths explicitly
-        mask = torch.arange(32)[None] < batch["lengths"][:, None]
-        hidden = hf.model(input_ids=batch["tokens"], attention_mask=mask.long()).last_hidden_state
-        theirs = hf.score(hidden)[torch.arange(len(mask)), batch["lengths"] - 1, 0]
+    with torch.no_grad():  # each pair as a user scores it with the exported model: unpadded, HF's own pooling
+        theirs = torch.stack([hf(input_ids=batch["tokens"][i: i + 1, :n]).logits[0, 0]
+                              for i, n in enumerate(batch["lengths"])])
     model, cfg = load_model(str(tmp_path / "ckpt"), None)
     assert cfg["architectures"] == ["LlamaForSequenceClassification"]
-    ours = sequence_values(megatron_logits(model, batch["tokens"], 1), batch["lengths"])
+    ours = scored_values(megatron_logits(model, batch["tokens"], 1), batch["tokens"], batch["lengths"],
+                         cfg["pad_token_id"])
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
     accuracy = float((ours.view(-1, 2)[:, 0] > ours.view(-1, 2)[:, 1]).float().mean())
     assert accuracy >= 0.9, (accuracy, logged[-1])
@@ -211,18 +210,19 @@ def test_grpo_advantages_and_loss_by_hand():
 
 
 def _entry_error(rank: int, entry: str, argv: list[str]) -> str:
+    """What the entry point prints on stderr (its exit status must be 1)."""
     _cpu.install_training()
     import importlib
 
-    try:
-        importlib.import_module(f"megatron_patch.rlhf.{entry}").main(argv)
-    except ValueError as e:
-        return str(e)
-    return ""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = importlib.import_module(f"megatron_patch.rlhf.{entry}").main(argv)
+    return err.getvalue() if code == 1 else f"exit status {code}"
 
 
 def test_bad_input_refused_before_training(hf_start, tmp_path):
-    """A tokenizer larger than the model's vocabulary, missing preference data, and DPO with PP > 1."""
+    """A tokenizer larger than the model's vocabulary, missing preference data, DPO with PP > 1, a DPO beta of
+    0, evaluation without a validation set: each one `error:` line from the entry point, exit status 1."""
     small = tmp_path / "small.json"
     small.write_text(json.dumps({**json.load(open(f"{hf_start}/config.json")), "vocab_size": 500}))
     prefs = tmp_path / "p.jsonl"
@@ -234,7 +234,12 @@ def test_bad_input_refused_before_training(hf_start, tmp_path):
         ("dpo", ["--load-hf", hf_start], "no preference data"),
         ("dpo", ["--load-hf", hf_start, "--pref-data", str(prefs), "--pipeline-model-parallel-size", "2"],
          "pipeline parallelism is not supported"),
+        ("dpo", ["--load-hf", hf_start, "--pref-data", str(prefs), "--beta", "0"],
+         "--beta must be a finite number > 0"),
+        ("reward_model", ["--load-hf", hf_start, "--pref-data", str(prefs), "--eval-iters", "5"],
+         "--eval-iters 5: there is no validation data"),
     ]:
         err = _cpu.run_world(2 if "--pipeline-model-parallel-size" in argv else 1, _entry_error, entry,
-                             argv + base)[0]
-        assert match in err, (entry, err)
+                             base + argv)[0]
+        assert match in err and err.strip().splitlines()[-1].startswith("error: "), (entry, err)
+        assert "Traceback" not in err, err

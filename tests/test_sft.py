@@ -96,7 +96,7 @@ def _run(rank: int, argv: list[str]) -> dict:
     gpt.loss_func = record
     reduced = _cpu.record_train_steps()
     with contextlib.redirect_stdout(io.StringIO()):
-        sft.main(argv)
+        assert sft.main(argv) == 0
     return {"sums": sums, "logged": dict(enumerate((r["lm loss"] for r in reduced), 1))}
 
 

@@ -3,8 +3,9 @@
 
 Tokenizes JSONL files (.jsonl, or gzipped .jsonl.gz), one document per line, into the Megatron indexed
 dataset PREFIX_{json_key}_document.bin/.idx that `--data-path PREFIX_text_document` reads in
-megatron.training (megatron.core.datasets.indexed_dataset). Documents keep the input order; documents that
-tokenize to nothing are skipped and counted. `--append-eod` ends each document with the tokenizer's eod,
+megatron.training (megatron.core.datasets.indexed_dataset); a PREFIX already ending in _{json_key}_document
+is used as is. Documents keep the input order; documents that tokenize to nothing are skipped and counted
+(input with no document left is an error). `--append-eod` ends each document with the tokenizer's eod,
 which GPTDataset uses to tell documents apart inside a sample.
 
 The files are written under temporary names beside the target and renamed at the end, so bad input (a
@@ -26,7 +27,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import numpy
-from megatron_patch.cli import run
+from megatron_patch.cli import positive_int, run
 
 if TYPE_CHECKING:  # imported on use: megatron-core's import is slow and noisy, main() quiets it first
     from megatron_patch.tokenizer import Tokenizer
@@ -80,8 +81,10 @@ def _tokenize_line(item: tuple[str, int, str]) -> numpy.ndarray:
 
 
 def output_paths(output_prefix: str, json_key: str = "text") -> tuple[str, str]:
-    """The .bin and .idx files that `preprocess` writes for `output_prefix`."""
-    prefix = f"{output_prefix}_{json_key}_document"
+    """The .bin and .idx files that `preprocess` writes for `output_prefix`: PREFIX_{json_key}_document, or
+    the prefix itself when it already ends so (the --data-path name given as the output)."""
+    suffix = f"_{json_key}_document"
+    prefix = output_prefix if output_prefix.endswith(suffix) else output_prefix + suffix
     return prefix + ".bin", prefix + ".idx"
 
 
@@ -137,6 +140,9 @@ def preprocess(inputs: list[str], output_prefix: str, tokenizer_path: str, json_
                 builder.add_document(ids, [len(ids)])  # the builder casts to the index dtype
                 documents += 1
                 tokens += len(ids)
+        if not documents:
+            raise ValueError(f"no document in {', '.join(inputs)} has any tokens ({skipped} empty "
+                             f"'{json_key}' values skipped); nothing written")
         builder.finalize(tmp["idx"])
         os.replace(tmp["bin"], bin_path)
         os.replace(tmp["idx"], idx_path)
@@ -160,11 +166,13 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m toolkits.preprocess_data", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input", nargs="+", required=True, help="JSONL files (.jsonl or .jsonl.gz), read in order")
-    p.add_argument("--output-prefix", required=True, help="writes PREFIX_{json_key}_document.bin/.idx")
+    p.add_argument("--output-prefix", required=True,
+                   help="writes PREFIX_{json_key}_document.bin/.idx (a PREFIX already ending in _{json_key}_document "
+                        "is used as is)")
     p.add_argument("--tokenizer", "--tokenizer-model", dest="tokenizer", required=True,
                    help="HF tokenizer folder or sentencepiece .model file")
     p.add_argument("--json-key", default="text")
-    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--workers", type=positive_int, default=1)
     p.add_argument("--append-eod", action="store_true", help="end each document with the tokenizer's eod")
     p.add_argument("--overwrite", action="store_true")
     return p
@@ -174,8 +182,15 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     # torch logs that it found no CUDA runtime
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
-    return run(lambda: preprocess(args.input, args.output_prefix, args.tokenizer, args.json_key, args.workers,
-                                  args.append_eod, args.overwrite))[0]
+
+    def work() -> dict:
+        summary = preprocess(args.input, args.output_prefix, args.tokenizer, args.json_key, args.workers,
+                             args.append_eod, args.overwrite)
+        print(f"wrote {summary['bin']} and {summary['idx']}: train with --data-path {summary['data_path']}",
+              file=sys.stderr)
+        return summary
+
+    return run(work)[0]
 
 
 if __name__ == "__main__":

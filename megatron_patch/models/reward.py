@@ -1,7 +1,7 @@
 """Reward models: any family's decoder with a scalar head instead of the LM head, the layout of HF's
 `<Family>ForSequenceClassification` with `num_labels=1` (backbone names unchanged, head `score.weight`
 [1, hidden], no bias, never tied to the embedding). The value of a sequence is the head's output at its
-last non-pad token, as HF computes it.
+last non-pad token, as HF computes it (`score_positions`), in training and after export alike.
 
 `reward_family(base)` wraps a registered family: the registry returns it for a `...ForSequenceClassification`
 architecture, so building, conversion (every layout) and export work unchanged; the head is megatron's
@@ -62,9 +62,25 @@ class ScalarHead(torch.nn.Module):
         return torch.nn.functional.linear(hidden, self.weight.to(hidden.dtype)), None
 
 
-def sequence_values(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """[b, s, 1] per-position values -> [b]: the value at each sequence's last real token."""
-    return values[torch.arange(values.shape[0], device=values.device), lengths.long() - 1, 0]
+def score_positions(tokens: torch.Tensor, lengths: torch.Tensor, pad_token_id: int | None) -> torch.Tensor:
+    """[b] index of the token each sequence is scored at, chosen as HF's `ForSequenceClassification`
+    chooses it: the last of the first `lengths` tokens that is not the config's `pad_token_id`. So an
+    exported model scores what training scored, also when the end-of-document token doubles as the pad
+    token (Llama-3, Qwen2.5: `pad_token_id` = `eos_token_id` = the tokenizer's eod), where both read the
+    token before it. A sequence of pad tokens only is scored at 0, as HF does."""
+    index = torch.arange(tokens.shape[1], device=tokens.device)
+    real = index[None, :] < lengths.to(tokens.device)[:, None]
+    if pad_token_id is not None:
+        real = real & (tokens != pad_token_id)
+    return (index * real).argmax(-1)
+
+
+def scored_values(values: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor,
+                  pad_token_id: int | None) -> torch.Tensor:
+    """[b, s, 1] per-position values -> [b]: each sequence's value at its `score_positions` token."""
+    positions = score_positions(tokens, lengths, pad_token_id).to(values.device)
+    return values[torch.arange(values.shape[0], device=values.device), positions, 0]
+
 
 
 class RewardFamily(ModelFamily):

@@ -1,8 +1,8 @@
 """python -m megatron_patch.rlhf.dpo: Direct Preference Optimization on megatron.training.
 
-    torchrun --nproc_per_node 8 -m megatron_patch.rlhf.dpo --load-hf SFT_MODEL --pref-data prefs.jsonl \\
-        --beta 0.1 --seq-length 2048 --micro-batch-size 2 --global-batch-size 64 --train-iters 500 --lr 5e-7 \\
-        --bf16 --tensor-model-parallel-size 2 --save ckpt --save-hf dpo_hf
+    torchrun --nproc_per_node 8 -m megatron_patch.rlhf.dpo --load-hf sft_hf --pref-data prefs.jsonl --beta 0.1 \\
+        --tensor-model-parallel-size 2 --seq-length 2048 --micro-batch-size 2 --global-batch-size 64 \\
+        --train-iters 500 --lr 5e-7 --precision bf16 --save ckpt_dpo --save-hf dpo_hf
 
 The policy is any registered family; the frozen reference is a second copy of the starting weights
 (`--load-hf`, or `--ref-load-hf` / `--ref-load` for another model or a Megatron checkpoint), run on the fly
@@ -18,6 +18,8 @@ negative margin, early on, is missing from its log line but not from the returne
 
 from __future__ import annotations
 
+import math
+import sys
 from functools import partial
 
 import torch
@@ -41,6 +43,10 @@ def dpo_settings(args) -> None:
     from megatron_patch.rlhf.common import preference_settings
 
     preference_settings(args)
+    if not math.isfinite(args.beta) or args.beta <= 0:
+        raise ValueError(f"--beta must be a finite number > 0, got {args.beta}")
+    if not math.isfinite(args.sft_weight) or args.sft_weight < 0:
+        raise ValueError(f"--sft-weight must be a finite number >= 0, got {args.sft_weight}")
     if args.pipeline_model_parallel_size > 1:
         raise ValueError("DPO runs the reference model inside the policy's forward step: pipeline parallelism is "
                          "not supported (use TP / DP / CP)")
@@ -106,12 +112,13 @@ def forward_step(data_iterator, model):
     return output, partial(loss_func, batch["loss_mask"], ref, args.beta, args.sft_weight)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     from megatron_patch.rlhf.common import datasets_provider
-    from megatron_patch.training.run import run
+    from megatron_patch.training.run import main as run_main
 
-    run(argv, datasets_provider, add_dpo_args, indexed_data=False, adjust=dpo_settings, forward_step=forward_step)
+    return run_main("rlhf.dpo", __doc__, argv, datasets_provider, extra_args_provider=add_dpo_args,
+                    indexed_data=False, adjust=dpo_settings, forward_step=forward_step)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,8 +1,8 @@
 """python -m megatron_patch.rlhf.reward_model: a reward model on megatron.training.
 
-    torchrun --nproc_per_node 8 -m megatron_patch.rlhf.reward_model --load-hf SFT_MODEL --pref-data prefs.jsonl \\
-        --seq-length 2048 --micro-batch-size 4 --global-batch-size 64 --train-iters 500 --lr 5e-6 --bf16 \\
-        --tensor-model-parallel-size 2 --save ckpt --save-hf rm_hf
+    torchrun --nproc_per_node 8 -m megatron_patch.rlhf.reward_model --load-hf sft_hf --pref-data prefs.jsonl \\
+        --tensor-model-parallel-size 2 --seq-length 2048 --micro-batch-size 4 --global-batch-size 64 \\
+        --train-iters 500 --lr 5e-6 --precision bf16 --save ckpt_rm --save-hf rm_hf
 
 Any registered family's decoder with a scalar head (`megatron_patch.models.reward`: the value at the last
 real token, HF's `<Family>ForSequenceClassification` with num_labels=1). `--load-hf` may be a causal LM (the
@@ -13,17 +13,31 @@ r_rejected). `--save-hf` / `toolkits.checkpoint_converter mcore-to-hf` export an
 
 from __future__ import annotations
 
+import sys
 from functools import partial
 
 import torch
 
 
-def pairwise_loss(lengths: torch.Tensor, output: torch.Tensor):
+_PAD: dict[str, int | None] = {}  # the reward model's pad_token_id, set when its config is made
+
+
+def reward_config(hf_config: dict) -> dict:
+    """The model trained: `hf_config` as a one-label sequence classifier (its pad_token_id decides the
+    scored token, as in HF)."""
+    from megatron_patch.models.reward import as_reward_config
+
+    cfg = as_reward_config(hf_config)
+    _PAD["id"] = cfg.get("pad_token_id")
+    return cfg
+
+
+def pairwise_loss(tokens: torch.Tensor, lengths: torch.Tensor, output: torch.Tensor):
     """Megatron's loss-function protocol: (sum over pairs, number of pairs, metrics as [sum, count])."""
-    from megatron_patch.models.reward import sequence_values
+    from megatron_patch.models.reward import scored_values
     from megatron_patch.rlhf.common import pair_report
 
-    values = sequence_values(output.float(), lengths).view(-1, 2)
+    values = scored_values(output.float(), tokens, lengths, _PAD.get("id")).view(-1, 2)
     diff = values[:, 0] - values[:, 1]
     per_pair = -torch.nn.functional.logsigmoid(diff)
     n, report = pair_report(**{"rm loss": per_pair, "accuracy": diff > 0, "margin": diff})
@@ -35,17 +49,17 @@ def forward_step(data_iterator, model):
 
     batch = pair_batch(data_iterator)
     values = model(batch["tokens"], batch["position_ids"], None)
-    return values, partial(pairwise_loss, batch["lengths"])
+    return values, partial(pairwise_loss, batch["tokens"], batch["lengths"])
 
 
-def main(argv: list[str] | None = None) -> None:
-    from megatron_patch.models.reward import as_reward_config
+def main(argv: list[str] | None = None) -> int:
     from megatron_patch.rlhf.common import add_preference_args, datasets_provider, preference_settings
-    from megatron_patch.training.run import run
+    from megatron_patch.training.run import main as run_main
 
-    run(argv, datasets_provider, add_preference_args, indexed_data=False, adjust=preference_settings,
-        forward_step=forward_step, model_config=as_reward_config)
+    return run_main("rlhf.reward_model", __doc__, argv, datasets_provider, extra_args_provider=add_preference_args,
+                    indexed_data=False, adjust=preference_settings, forward_step=forward_step,
+                    model_config=reward_config)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
