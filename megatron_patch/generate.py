@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 
@@ -43,6 +44,12 @@ class _Printer:
             self.shown = text
 
 
+def unescape(text: str) -> str:
+    """`--stop "\\n\\n"` as a user types it in a shell (which passes the backslashes through): the escapes
+    \\n, \\t, \\r and \\\\ become the characters they name; other text is kept as it is."""
+    return re.sub(r"\\([ntr\\])", lambda m: {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}[m[1]], text)
+
+
 def finish_reason(text: str, tokens: list[int], stop: list[str], max_new_tokens: int) -> str:
     """Why a generation of `generate` ended: "stop" (its text holds a stop string), "length"
     (max_new_tokens reached), else "eod" (the end-of-document token, left out of `tokens`)."""
@@ -56,7 +63,7 @@ def run(args) -> dict:
     from megatron_patch.inference import check_stop, generate, model_and_tokenizer, read_prompts
     from megatron_patch.conversion.atomic import atomic_output_file, check_output_file
 
-    stop = args.stop or []
+    stop = [unescape(s) for s in args.stop or []]
     check_stop(stop, "--stop")
     if args.out:
         check_output_file(args.out, "--out")
@@ -108,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=1234, help="sampling seed")
     p.add_argument("--chat", action="store_true", help="render plain prompts with the chat template")
     p.add_argument("--stop", nargs="*", help="end a generation as soon as its text contains one of these strings "
-                   "(kept in generated_text; its last token is the one that completed the string)")
+                   "(kept in generated_text; its last token is the one that completed the string); \\n, \\t, \\r "
+                   "and \\\\ in them are a newline, tab, carriage return and backslash")
     p.add_argument("--batch-size", type=positive_int, default=8, metavar="N", help="prompts generated together")
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
                    help="print the text to stderr as it is generated (default: on for one prompt on a terminal)")

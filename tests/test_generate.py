@@ -328,3 +328,11 @@ def test_generation_ends_before_eod(setup):
     assert out == full[:4]
     assert finish_reason(tok.detokenize(out), out, [], 12) == "eod"
     assert finish_reason(tok.detokenize(full), full, [], 12) == "length"
+
+
+def test_stop_strings_take_the_escapes_a_shell_passes_through():
+    """`--stop "\\n\\n"` typed in bash reaches the tool as backslash-n twice: it means two newlines."""
+    from megatron_patch.generate import unescape
+
+    assert unescape("\\n\\n") == "\n\n" and unescape("a\\tb\\r") == "a\tb\r"
+    assert unescape("\\\\n") == "\\n" and unescape("C:\\x") == "C:\\x" and unescape("plain") == "plain"

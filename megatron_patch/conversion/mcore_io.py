@@ -67,7 +67,6 @@ from megatron_patch.conversion.engine import (
 from megatron_patch.conversion.manifest import TensorLog
 from megatron_patch.models.family import Layout, build_model, ensure_model_parallel
 from megatron_patch.models.registry import get_family, load_hf_config
-from megatron_patch.names import FORMATS
 
 WRITE_THREADS = 2
 MANIFEST = "megatron_patch.json"
