@@ -167,3 +167,18 @@ def test_tensor_manifest_matches_what_was_written(src):
     dist = manifest.read(str(root / "m_dist"))
     assert "embedding.word_embeddings.weight@0,0" in dist
     assert "decoder.layers.mlp.linear_fc1.weight@3,160,0" in dist  # layer 3, the "up" half
+
+
+@pytest.mark.parametrize("variant", ["gqa", "mixtral", "deepseek_v3"])
+def test_torch_dist_in_te_naming_runs_as_local(tmp_path, capsys, cpu_megatron, variant):
+    """torch_dist keys tensors alike for both implementations: a checkpoint converted for Transformer
+    Engine runs under the local implementation (a machine without TE) with HF's logits."""
+    from tests.models import case, save_case
+
+    hf = save_case(case(variant), str(tmp_path / "hf"))
+    mc = str(tmp_path / "mc")
+    _ok("hf-to-mcore", "--hf-dir", hf, "--out", mc, "--impl", "transformer_engine")
+    capsys.readouterr()
+    _ok("verify", "--hf-dir", hf, "--mcore-dir", mc, "--impl", "local")
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["impl"] == "local" and result["max_abs_logit_diff"] <= 1e-5

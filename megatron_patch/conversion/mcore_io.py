@@ -641,9 +641,6 @@ def load_megatron_model(ckpt_dir: str, tp: int = 1, pp: int = 1, impl: str | Non
 
     ckpt = MegatronCheckpoint.open(ckpt_dir, hf_config)
     impl = impl or ckpt.impl
-    if ckpt.format == "torch_dist" and impl != ckpt.impl:
-        raise ValueError(f"{ckpt_dir} holds the {ckpt.impl} implementation's names; loading it as {impl} needs a "
-                         f"conversion (toolkits.checkpoint_converter mcore-to-mcore --impl {impl})")
     ensure_model_parallel(tp, pp, ep)
     # torch_dist is loaded as stored (its kv-head replication included); legacy goes through HF tensors
     # (multi-latent attention has no query groups to keep)
@@ -652,7 +649,16 @@ def load_megatron_model(ckpt_dir: str, tp: int = 1, pp: int = 1, impl: str | Non
     model = build_model(ckpt.hf_config, tp, pp, impl=impl, dtype=dtype,
                         padded_vocab_size=ckpt.padded_vocab_size, perform_initialization=False, ep=ep, **groups)
     if ckpt.format == "torch_dist":
-        loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, ckpt.step_dir)["model"]
+        # both implementations key their tensors alike; a Transformer Engine model also asks for the
+        # `_extra_state` objects of norms it keeps apart, which a checkpoint converted for `local` may lack
+        try:
+            loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, ckpt.step_dir)["model"]
+        except Exception as e:
+            if impl == ckpt.impl:
+                raise
+            raise ValueError(f"{ckpt_dir} was converted for the {ckpt.impl} implementation and does not load as "
+                             f"{impl} ({type(e).__name__}); convert it: toolkits.checkpoint_converter mcore-to-mcore "
+                             f"--impl {impl}") from e
         model.load_state_dict(loaded, strict=True)
     else:
         hf = {k: v for chunk in ckpt.hf_chunks() for k, v in chunk.items()}
