@@ -39,6 +39,6 @@ def export_hf(args) -> None:
     if _rank0():
         from megatron_patch.conversion.convert import mcore_to_hf
 
-        print(mcore_to_hf(args.save, args.save_hf), flush=True)
+        print(json.dumps(mcore_to_hf(args.save, args.save_hf)), flush=True)
     if dist.is_initialized():
         dist.barrier()
