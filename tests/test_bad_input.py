@@ -119,24 +119,28 @@ def test_existing_out_is_kept(hf_dir, tmp_path, capsys):
     assert "mine.txt" not in os.listdir(out) and "megatron_patch.json" in os.listdir(out)
 
 
-def test_interrupt_leaves_nothing(hf_dir, tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("sig,match,code", [(signal.SIGINT, "interrupted", 130),
+                                            (signal.SIGTERM, "terminated (SIGTERM)", 143)])
+def test_interrupt_leaves_nothing(hf_dir, tmp_path, capsys, monkeypatch, sig, match, code):
+    """Ctrl-C, and SIGTERM (preemption, `timeout`, `scancel`) alike: exit 130 / 143, nothing left."""
     from megatron_patch.conversion import hf_io
 
     calls = {"n": 0}
     original = hf_io.HFCheckpoint.get
 
-    def get(self, name):  # Ctrl-C arrives (in the main thread) while the 10th tensor is read
+    def get(self, name):  # the signal arrives (in the main thread) while the 10th tensor is read
         calls["n"] += 1
         if calls["n"] == 10:
-            signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(sig)
         return original(self, name)
 
     monkeypatch.setattr(hf_io.HFCheckpoint, "get", get)
     for fmt in ("legacy", "torch_dist"):
         calls["n"] = 0
         out = str(tmp_path / f"out_{fmt}")
-        _fails(["hf-to-mcore", "--hf-dir", hf_dir, "--out", out, "--format", fmt, "--pp", "2"], out,
-               "interrupted", capsys, code=130)
+        _fails(["hf-to-mcore", "--hf-dir", hf_dir, "--out", out, "--format", fmt, "--pp", "2"], out, match, capsys,
+               code=code)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the tool's handler is gone again
 
 
 @pytest.mark.parametrize("fmt", ["legacy", "torch_dist"])
@@ -229,28 +233,6 @@ def test_output_folders_follow_the_umask(hf_dir, tmp_path):
                 assert os.stat(root).st_mode & 0o777 == dirs, root
                 for n in names:
                     assert os.stat(os.path.join(root, n)).st_mode & 0o777 == files, os.path.join(root, n)
-
-
-def test_sigterm_leaves_nothing(hf_dir, tmp_path, capsys, monkeypatch):
-    """SIGTERM (preemption, `timeout`, `scancel`) ends a conversion like Ctrl-C: exit 143, nothing left."""
-    from megatron_patch.conversion import hf_io
-
-    calls = {"n": 0}
-    original = hf_io.HFCheckpoint.get
-
-    def get(self, name):
-        calls["n"] += 1
-        if calls["n"] == 10:
-            signal.raise_signal(signal.SIGTERM)
-        return original(self, name)
-
-    monkeypatch.setattr(hf_io.HFCheckpoint, "get", get)
-    for fmt in ("legacy", "torch_dist"):
-        calls["n"] = 0
-        out = str(tmp_path / f"out_{fmt}")
-        _fails(["hf-to-mcore", "--hf-dir", hf_dir, "--out", out, "--format", fmt], out, "terminated (SIGTERM)",
-               capsys, code=143)
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the tool's handler is gone again
 
 
 def test_stale_partial_output_of_a_killed_run_is_removed_next_time(hf_dir, tmp_path):
