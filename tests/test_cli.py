@@ -201,3 +201,26 @@ def test_demo_prints_the_commands_a_user_would_type(tmp_path):
     lines = [line for line in p.stdout.splitlines() if line.startswith("$ ")]
     assert [line.split()[:4] for line in lines] == [["$", "python", "-m", "toolkits.checkpoint_converter"]] * 3
     assert "bitwise identical: yes" in p.stdout
+
+
+@pytest.mark.parametrize("module", ["megatron_patch.generate", "megatron_patch.evaluate", "megatron_patch.rlhf.grpo",
+                                    "toolkits.preprocess_data"])
+def test_every_tool_option_says_what_it_does(module, monkeypatch):
+    """Each option of our tools' own parsers has a help text (and HelpFormatter shows its default)."""
+    import argparse
+    import importlib
+
+    from megatron_patch.cli import HelpFormatter
+
+    seen = []
+
+    def capture(self, args=None, namespace=None):
+        seen.append(self)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", capture)
+    with pytest.raises(SystemExit):
+        importlib.import_module(module).main(["--help"])
+    parser = seen[0]
+    assert parser.formatter_class is HelpFormatter
+    assert [a.option_strings for a in parser._actions if not a.help] == []

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import logging
 import multiprocessing
 import os
 import sys
@@ -27,7 +26,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import numpy
-from megatron_patch.cli import positive_int, run
+from megatron_patch.cli import HelpFormatter, positive_int, run
 
 if TYPE_CHECKING:  # imported on use: megatron-core's import is slow and noisy, main() quiets it first
     from megatron_patch.tokenizer import Tokenizer
@@ -164,24 +163,22 @@ def preprocess(inputs: list[str], output_prefix: str, tokenizer_path: str, json_
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m toolkits.preprocess_data", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--input", nargs="+", required=True, help="JSONL files (.jsonl or .jsonl.gz), read in order")
     p.add_argument("--output-prefix", required=True,
                    help="writes PREFIX_{json_key}_document.bin/.idx (a PREFIX already ending in _{json_key}_document "
                         "is used as is)")
     p.add_argument("--tokenizer", "--tokenizer-model", dest="tokenizer", required=True,
                    help="HF tokenizer folder or sentencepiece .model file")
-    p.add_argument("--json-key", default="text")
-    p.add_argument("--workers", type=positive_int, default=1)
+    p.add_argument("--json-key", default="text", help="the field of each JSONL row holding the document")
+    p.add_argument("--workers", type=positive_int, default=1, metavar="N", help="tokenizing processes")
     p.add_argument("--append-eod", action="store_true", help="end each document with the tokenizer's eod")
-    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--overwrite", action="store_true", help="replace existing output files")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    # torch logs that it found no CUDA runtime
-    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
 
     def work() -> dict:
         summary = preprocess(args.input, args.output_prefix, args.tokenizer, args.json_key, args.workers,
