@@ -124,6 +124,11 @@ def test_readme_command_runs(work, command):
     p = subprocess.run(argv, cwd=work, env=env, input=stdin, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, f"{shlex.join(argv)}\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}"
     assert not [line for line in p.stderr.splitlines() if line.startswith("error:")], p.stderr[-3000:]
+    words = shlex.split(command)
+    if "--save-hf" in words and "--precision" in words:  # an HF export states the dtype trained in
+        dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[words[words.index("--precision") + 1]]
+        config = json.load(open(work / words[words.index("--save-hf") + 1] / "config.json"))
+        assert config["dtype"] == config["torch_dtype"] == dtype, config
 
 
 def test_every_readme_command_is_run_or_skipped_for_a_reason():
