@@ -1,20 +1,30 @@
 """Training throughput on the GPU machine: our pretrain path (`python -m megatron_patch.pretrain`,
-Transformer Engine, bf16 and fp8) vs a plain HF `transformers` training step (bf16 weights, sdpa
-attention, fused AdamW) on the same LLaMA shape, in the same run. Prints a table (docs/benchmarks.md).
+Transformer Engine) next to HF `transformers` on the same LLaMA shape, in the same run, as real training
+runs: every side takes a global batch of `--micro-batches` micro-batches per optimizer step (HF accumulates
+gradients over them too). Prints a table (docs/benchmarks.md) and one JSON line.
 
-    python benchmarks/train_bench.py [--shapes 1b 8b] [--iters 30] [--runs bf16 fp8 ...]
+    python benchmarks/train_bench.py [--shapes 1b 8b] [--micro-batches 8] [--iters 12] [--runs bf16 fp8 ...]
+        [--hf hf hf-liger hf-compile] [--losses 20]
+    python benchmarks/train_bench.py --shapes 8b-full --gpus 2 --runs "fp8 tp2" "fp8 pp2" "fp8 dp2"   # 2 GPUs
 
-Runs (`--runs`, names from RUNS): "bf16" and "fp8" are our path with its defaults; the others add or
-remove one Megatron flag each, to show what each costs or buys.
+Runs (`--runs`, names from RUNS): our path with a throughput profile (`none` = Megatron's defaults,
+`default`, `benchmark`) plus at most one more setting, so each row shows what one setting costs or buys
+(an ablation, all in one run). HF rows (`--hf`): sdpa attention and fused AdamW, optionally with Liger's
+Triton kernels (`hf-liger`, when `liger_kernel` is installed) or `torch.compile` (`hf-compile`).
 
-TFLOP/s use Megatron's formula (`megatron.training.training.num_floating_point_operations`, which
-counts the causal attention and the output layer) for both sides, so the columns compare directly;
-tokens/s and peak GPU memory are measured. Our side runs one process, mock data, no checkpointing.
+Measured: the median step time over the second half of the iterations (the first half is warm-up),
+tokens/s (the headline), TFLOP/s by Megatron's formula (`megatron.training.training.
+num_floating_point_operations`: causal attention and the output layer counted) for every side, and peak GPU
+memory. `--losses N` also runs N iterations of each of our runs from the same seed and reports the largest
+loss difference to the same-precision `none` run (tuned settings must train the same, up to bf16 noise).
+`--trace RUN` records a PyTorch profiler trace of that run's iterations 6-7 and prints where the time goes
+(`benchmarks/trace_summary.py`).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import re
@@ -23,28 +33,52 @@ import sys
 import tempfile
 import time
 
-import torch
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SHAPES = {  # LLaMA widths; the 8B width keeps 8 of its 32 layers so one GPU holds model + Adam state
+SHAPES = {  # LLaMA-3 widths; "8b" keeps 8 of its 32 layers so one GPU holds model + Adam state
     "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                num_key_value_heads=8, seq=4096, mbs=2),
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=8, num_attention_heads=32,
                num_key_value_heads=8, seq=8192, mbs=1),
+    "8b-full": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                    num_key_value_heads=8, seq=8192, mbs=1),
 }
 VOCAB = 128256
+GRAPHS = ["--cuda-graph-impl"]
 
-
-RUNS = {  # name -> (precision, extra Megatron flags)
-    "bf16": ("bf16", []),
-    "fp8": ("fp8", []),
-    "bf16 no-wgrad-fusion": ("bf16", ["--no-gradient-accumulation-fusion"]),
-    "bf16 no-mask": ("bf16", ["--no-create-attention-mask-in-dataloader"]),
-    "bf16 ce-fusion": ("bf16", ["--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "native"]),
-    "fp8 ce-fusion": ("fp8", ["--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "native"]),
-    "fp8 tensorwise ce-fusion": ("fp8", ["--fp8-recipe", "tensorwise", "--cross-entropy-loss-fusion",
-                                         "--cross-entropy-fusion-impl", "native"]),
+# name -> (precision, profile, extra Megatron flags, extra environment)
+RUNS: dict[str, tuple[str, str, list[str], dict[str, str]]] = {
+    "bf16 none": ("bf16", "none", [], {}),
+    "bf16 +manual-gc": ("bf16", "none", ["--manual-gc", "--manual-gc-interval", "100"], {}),
+    "bf16 +ce-fusion": ("bf16", "none", ["--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "native"], {}),
+    "bf16 +no-mask": ("bf16", "none", ["--no-create-attention-mask-in-dataloader"], {}),
+    "bf16": ("bf16", "default", [], {}),
+    "bf16 benchmark": ("bf16", "benchmark", [], {}),
+    "bf16 +grad-reduce-bf16": ("bf16", "default", ["--grad-reduce-in-bf16"], {}),
+    "bf16 +cudnn-norm": ("bf16", "default", [], {"NVTE_NORM_FWD_USE_CUDNN": "1", "NVTE_NORM_BWD_USE_CUDNN": "1"}),
+    "bf16 +graph-local": ("bf16", "benchmark", [*GRAPHS, "local"], {}),
+    "bf16 +graph-te": ("bf16", "benchmark", [*GRAPHS, "transformer_engine"], {}),
+    "bf16 +graph-full": ("bf16", "benchmark", [*GRAPHS, "full_iteration", "--te-rng-tracker"], {}),
+    "bf16 +precision-aware-opt": ("bf16", "default", ["--use-precision-aware-optimizer"], {}),
+    "bf16 mbs2": ("bf16", "default", ["@mbs2"], {}),
+    "fp8 none": ("fp8", "none", [], {}),
+    "fp8": ("fp8", "default", [], {}),
+    "fp8 benchmark": ("fp8", "benchmark", [], {}),
+    "fp8 tensorwise": ("fp8", "default", ["--fp8-recipe", "tensorwise"], {}),
+    "fp8 blockwise": ("fp8", "default", ["--fp8-recipe", "blockwise"], {}),
+    "fp8 +grad-reduce-bf16": ("fp8", "default", ["--grad-reduce-in-bf16"], {}),
+    "fp8 +param-gather": ("fp8", "default", ["--fp8-param-gather"], {}),
+    "fp8 +cudnn-norm": ("fp8", "default", [], {"NVTE_NORM_FWD_USE_CUDNN": "1", "NVTE_NORM_BWD_USE_CUDNN": "1"}),
+    "fp8 +graph-te": ("fp8", "benchmark", [*GRAPHS, "transformer_engine"], {}),
+    "fp8 +graph-full": ("fp8", "benchmark", [*GRAPHS, "full_iteration", "--te-rng-tracker"], {}),
+    # two GPUs (--gpus 2): the layouts of the full model
+    "bf16 tp2": ("bf16", "default", ["--tensor-model-parallel-size", "2", "--sequence-parallel"], {}),
+    "bf16 pp2": ("bf16", "default", ["--pipeline-model-parallel-size", "2"], {}),
+    "bf16 dp2": ("bf16", "default", ["--overlap-grad-reduce", "--overlap-param-gather"], {}),
+    "fp8 tp2": ("fp8", "default", ["--tensor-model-parallel-size", "2", "--sequence-parallel"], {}),
+    "fp8 pp2": ("fp8", "default", ["--pipeline-model-parallel-size", "2"], {}),
+    "fp8 dp2": ("fp8", "default", ["--overlap-grad-reduce", "--overlap-param-gather"], {}),
 }
+HF_RUNS = ("hf", "hf-liger", "hf-compile")
 
 
 def config(shape: str) -> dict:
@@ -56,8 +90,8 @@ def config(shape: str) -> dict:
             "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False, "hidden_act": "silu"}
 
 
-def flops_per_iteration(shape: str) -> float:
-    """Megatron's count for one iteration of batch mbs x seq (forward + backward)."""
+def flops_per_sample(shape: str) -> float:
+    """Megatron's count for one sample of `seq` tokens (forward + backward)."""
     from megatron.training.arguments import parse_args
     from megatron.training.training import num_floating_point_operations
 
@@ -71,94 +105,183 @@ def flops_per_iteration(shape: str) -> float:
     args.__dict__.update(num_layers=s["num_hidden_layers"], hidden_size=h, ffn_hidden_size=s["intermediate_size"],
                          num_attention_heads=heads, num_query_groups=groups, group_query_attention=True,
                          kv_channels=h // heads, seq_length=s["seq"], padded_vocab_size=VOCAB, swiglu=True)
-    return float(num_floating_point_operations(args, s["mbs"]))
+    return float(num_floating_point_operations(args, 1))
 
 
-def ours(shape: str, precision: str, iters: int, tmp: str, extra: list[str]) -> dict:
+def our_command(shape: str, run: str, iters: int, micro_batches: int, gpus: int, config_path: str,
+                trace_dir: str | None = None) -> tuple[list[str], dict[str, str]]:
+    """The pretrain command of one run (mock data, no checkpoint, a log line per iteration)."""
+    precision, profile, extra, env = RUNS[run]
     s = SHAPES[shape]
+    mbs = 2 * s["mbs"] if "@mbs2" in extra else s["mbs"]
+    extra = [e for e in extra if e != "@mbs2"]
+    model_parallel = 1
+    for flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size"):
+        if flag in extra:
+            model_parallel *= int(extra[extra.index(flag) + 1])
+    # each model replica takes `micro_batches` micro-batches of the shape's size per optimizer step (a run
+    # with twice the micro-batch size takes half as many: the same samples)
+    global_batch = micro_batches * s["mbs"] * (gpus // model_parallel)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(gpus), "-m",
+           "megatron_patch.pretrain", "--hf-config", config_path, "--mock-data", "--tokenizer-type", "NullTokenizer",
+           "--vocab-size", str(VOCAB), "--seq-length", str(s["seq"]), "--micro-batch-size", str(mbs),
+           "--global-batch-size", str(global_batch), "--train-iters", str(iters), "--lr", "1e-4",
+           "--min-lr", "1e-5", "--lr-warmup-iters", "2", "--seed", "1234", "--precision", precision,
+           "--throughput-profile", profile, "--transformer-impl", "transformer_engine", "--log-interval", "1",
+           "--log-throughput", "--eval-iters", "0", "--use-distributed-optimizer", "--attention-backend", "auto",
+           "--make-vocab-size-divisible-by", "128", *extra]
+    if trace_dir:
+        cmd += ["--profile", "--use-pytorch-profiler", "--profile-step-start", "6", "--profile-step-end", "8",
+                "--tensorboard-dir", trace_dir]
+    return cmd, {**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+                 "PYTHONPATH": ROOT + ":" + os.environ.get("PYTHONPATH", ""), **env}
+
+
+def ours(shape: str, run: str, iters: int, micro_batches: int, gpus: int, tmp: str,
+         trace_dir: str | None = None) -> dict:
     path = os.path.join(tmp, f"{shape}.json")
     with open(path, "w") as f:
         json.dump(config(shape), f)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "-m", "megatron_patch.pretrain",
-           "--hf-config", path, "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB),
-           "--seq-length", str(s["seq"]), "--micro-batch-size", str(s["mbs"]), "--global-batch-size", str(s["mbs"]),
-           "--train-iters", str(iters), "--lr", "1e-4", "--precision", precision, "--transformer-impl",
-           "transformer_engine", "--log-interval", "1", "--log-throughput",
-           "--eval-iters", "0", "--eval-interval", "100000", "--use-distributed-optimizer",
-           "--attention-backend", "auto", "--make-vocab-size-divisible-by", "128", *extra]
-    env = {**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1", "PYTHONPATH": ROOT + ":" + os.environ.get("PYTHONPATH", "")}
+    cmd, env = our_command(shape, run, iters, micro_batches, gpus, path, trace_dir)
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     text = p.stdout + p.stderr
     ms = [float(x) for x in re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+)", text)]
     mem = [float(x) for x in re.findall(r"max allocated: ([0-9.]+)", text)]
+    batch = [int(x) for x in re.findall(r"global batch size:\s+(\d+)", text)]
     if p.returncode or len(ms) < 4:
         return {"error": text[-2000:]}
-    step = sorted(ms[len(ms) // 2:])[len(ms[len(ms) // 2:]) // 2] / 1000  # median of the second half
+    half = sorted(ms[len(ms) // 2:])
     losses = [float(x) for x in re.findall(r"lm loss: ([0-9.E+-]+)", text)]
-    return {"s_per_iter": step, "peak_gb": max(mem) / 1024 if mem else None, "last_loss": losses[-1] if losses else None}
+    return {"s_per_iter": half[len(half) // 2] / 1000, "peak_gb": max(mem) / 1024 if mem else None,
+            "samples": batch[-1] if batch else None, "losses": losses}
 
 
-def hf(shape: str, iters: int) -> dict:
+def hf(shape: str, variant: str, iters: int, micro_batches: int) -> dict:
+    """HF transformers with gradient accumulation over `micro_batches` (one optimizer step per iteration)."""
+    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     s = SHAPES[shape]
+    if variant == "hf-liger":
+        try:
+            from liger_kernel.transformers import apply_liger_kernel_to_llama
+        except ImportError as e:
+            return {"error": f"liger_kernel not installed: {e}"}
+        apply_liger_kernel_to_llama()
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config(shape)), attn_implementation="sdpa",
                                              dtype=torch.bfloat16).cuda().train()
+    step_model = torch.compile(model) if variant == "hf-compile" else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     ids = torch.randint(0, VOCAB, (s["mbs"], s["seq"]), device="cuda")
     torch.cuda.reset_peak_memory_stats()
     times = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
+    try:
+        for _ in range(iters):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(micro_batches):
+                (step_model(input_ids=ids, labels=ids).loss / micro_batches).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+    except Exception as e:  # e.g. torch.compile failing on this machine: a row saying so
+        return {"error": f"{type(e).__name__}: {e}"[-2000:]}
+    finally:
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        del model, step_model, opt
+        torch.cuda.empty_cache()
     half = sorted(times[len(times) // 2:])
-    out = {"s_per_iter": half[len(half) // 2], "peak_gb": torch.cuda.max_memory_allocated() / 2**30}
-    del model, opt
-    torch.cuda.empty_cache()
+    return {"s_per_iter": half[len(half) // 2], "peak_gb": peak, "samples": micro_batches * s["mbs"]}
+
+
+def loss_difference(losses: list[float], reference: list[float], n: int) -> float | None:
+    common = min(len(losses), len(reference), n)
+    return max(abs(a - b) for a, b in zip(losses[:common], reference[:common])) if common else None
+
+
+def versions() -> dict:
+    import torch
+
+    out = {"date": datetime.date.today().isoformat(), "torch": torch.__version__}
+    for name in ("megatron.core", "transformer_engine", "transformers", "liger_kernel"):
+        try:
+            module = __import__(name, fromlist=["__version__"])
+            out[name] = getattr(module, "__version__", "?")
+        except ImportError:
+            pass
+    if torch.cuda.is_available():
+        out["gpu"] = f"{torch.cuda.get_device_name()} x{torch.cuda.device_count()}"
     return out
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="+", default=["1b", "8b"], choices=sorted(SHAPES))
-    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--iters", type=int, default=12, help="optimizer steps per run (the first half is warm-up)")
+    ap.add_argument("--micro-batches", type=int, default=8, help="micro-batches per optimizer step, every side")
+    ap.add_argument("--gpus", type=int, default=1, help="processes of our runs (layout runs need 2)")
     ap.add_argument("--runs", nargs="+", default=["bf16", "fp8"], choices=sorted(RUNS))
+    ap.add_argument("--hf", nargs="*", default=["hf"], choices=HF_RUNS, help="HF rows (none: skip HF)")
+    ap.add_argument("--losses", type=int, default=0,
+                    help="also compare the first N iterations' losses with the same precision's 'none' run")
+    ap.add_argument("--trace", choices=sorted(RUNS), help="record and summarise a profiler trace of this run")
+    ap.add_argument("--dry-run", action="store_true", help="print our runs' commands, run nothing")
     a = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
+        if a.dry_run:
+            for shape in a.shapes:
+                for run in a.runs:
+                    print(" ".join(our_command(shape, run, a.iters, a.micro_batches, a.gpus,
+                                               os.path.join(tmp, f"{shape}.json"))[0]))
+            return
+        meta = versions()
+        print(json.dumps(meta), flush=True)
         for shape in a.shapes:
-            flops = flops_per_iteration(shape)
-            tokens = SHAPES[shape]["mbs"] * SHAPES[shape]["seq"]
-            results = {"HF transformers bf16": hf(shape, a.iters)}
-            for run in a.runs:
-                precision, extra = RUNS[run]
-                results[f"ours {run}"] = ours(shape, precision, a.iters, tmp, extra)
-                print(shape, run, results[f"ours {run}"], flush=True)
-            base = results["HF transformers bf16"].get("s_per_iter")
+            flops = flops_per_sample(shape)
+            results = {name: hf(shape, name, a.iters, a.micro_batches) for name in a.hf}
+            runs = list(a.runs)
+            if a.losses:  # the references of the loss comparison
+                runs += [f"{p} none" for p in sorted({RUNS[r][0] for r in a.runs}) if f"{p} none" not in runs]
+            for run in runs:
+                results[f"ours {run}"] = ours(shape, run, max(a.iters, a.losses), a.micro_batches, a.gpus, tmp)
+                print(shape, run, {k: v for k, v in results[f"ours {run}"].items() if k != "losses"}, flush=True)
+            if a.trace:
+                from trace_summary import summarise_folder  # beside this script
+
+                trace_dir = os.path.join(tmp, "trace")
+                ours(shape, a.trace, 8, a.micro_batches, a.gpus, tmp, trace_dir)
+                print(json.dumps({"shape": shape, "trace": a.trace, "where": summarise_folder(trace_dir)}), flush=True)
+            hf_rate = None
             for name, r in results.items():
                 if "error" in r:
-                    rows.append({"shape": shape, "run": name, "error": r["error"]})
+                    rows.append({"shape": shape, "run": name, "error": r["error"][-300:]})
                     continue
-                rows.append({"shape": shape, "run": name, "tokens_per_s": round(tokens / r["s_per_iter"]),
-                             "tflops": round(flops / r["s_per_iter"] / 1e12, 1),
-                             "vs_hf": round(base / r["s_per_iter"], 3) if base else None,
-                             "peak_gb": round(r["peak_gb"], 1) if r["peak_gb"] else None,
-                             "last_loss": r.get("last_loss")})
-    print("| shape | run | tokens/s | TFLOP/s | × HF | peak GB |")
-    print("|---|---|---|---|---|---|")
+                gpus = a.gpus if name.startswith("ours") else 1
+                rate = r["samples"] * SHAPES[shape]["seq"] / r["s_per_iter"]  # tokens/s
+                hf_rate = rate if name == "hf" else hf_rate
+                row = {"shape": shape, "run": name, "gpus": gpus, "tokens_per_s": round(rate),
+                       "tflops_per_gpu": round(flops * r["samples"] / r["s_per_iter"] / 1e12 / gpus, 1),
+                       "vs_hf": round(rate / gpus / hf_rate, 3) if hf_rate else None,  # per GPU
+                       "peak_gb": round(r["peak_gb"], 1) if r.get("peak_gb") else None}
+                if a.losses and name.startswith("ours "):
+                    ref = results.get(f"ours {RUNS[name[5:]][0]} none", {}).get("losses", [])
+                    row["max_loss_diff_vs_none"] = loss_difference(r.get("losses", []), ref, a.losses)
+                rows.append(row)
+    print(f"{meta['date']}, {meta.get('gpu')}, torch {meta['torch']}, megatron-core {meta.get('megatron.core')}, "
+          f"TE {meta.get('transformer_engine')}, transformers {meta.get('transformers')}; "
+          f"{a.micro_batches} micro-batches per step")
+    print("| shape | run | tokens/s | TFLOP/s per GPU | × HF | peak GB | max Δloss vs none |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['shape']} | {r['run']} | error | | | |")
+            print(f"| {r['shape']} | {r['run']} | error: {r['error'].splitlines()[-1] if r['error'] else ''} | | | | |")
         else:
-            print(f"| {r['shape']} | {r['run']} | {r['tokens_per_s']} | {r['tflops']} | {r['vs_hf']} | {r['peak_gb']} |")
-    print(json.dumps(rows))
+            print(f"| {r['shape']} | {r['run']} | {r['tokens_per_s']:,} | {r['tflops_per_gpu']} | {r['vs_hf']} | "
+                  f"{r['peak_gb']} | {r.get('max_loss_diff_vs_none', '')} |")
+    print(json.dumps({"meta": meta, "rows": rows}))
 
 
 if __name__ == "__main__":

@@ -5,13 +5,16 @@
 #
 #   examples/<family>/pretrain.sh [--model DIR] [--data PREFIX] [--tokenizer DIR] [--tp N] [--pp N] [--ep N]
 #       [--precision bf16|fp16|fp8|fp32] [--seq-length N] [--mbs N] [--gbs N] [--lr X] [--iters N]
-#       [--split TRAIN,VALID,TEST] [--out DIR] [--from-hf] [--cpu] [--dry-run] [--help] [-- any Megatron-LM argument ...]
+#       [--split TRAIN,VALID,TEST] [--out DIR] [--from-hf] [--profile default|benchmark|none] [--cpu] [--dry-run]
+#       [--help] [-- any Megatron-LM argument ...]
 #
 # --model: an HF folder (config.json, tokenizer; with --from-hf also the weights to start from).
 # --data: pretrain: an indexed-dataset prefix (toolkits.preprocess_data); sft: JSONL conversations;
 # rlhf.reward_model / rlhf.dpo: JSONL preference rows {"prompt", "chosen", "rejected"}.
 # --split (pretrain): document shares of training, validation and test (default 99,1,0; a share too
 # small to hold a document is an error; 100,0,0 trains without validation).
+# --profile: megatron_patch's --throughput-profile (default: settings that cost no accuracy; benchmark: also
+# without the per-step NaN and rerun checks; none: Megatron's own defaults).
 # --cpu: train a tiny model on the CPU (megatron_patch's --cpu: local implementation, gloo; fp32 by
 # default, no distributed optimizer; one process unless NPROC_PER_NODE is set).
 # Defaults: --tp 1 --pp 1 --ep 1 --precision bf16 --seq-length 4096 --mbs 1 --gbs 32 --lr 3e-4 (min lr /10,
@@ -28,7 +31,7 @@ usage() {
 
 MODEL=${MODEL:-}
 DATA=${DATA:-}
-TOKENIZER="" PRECISION="" SPLIT=""
+TOKENIZER="" PRECISION="" SPLIT="" PROFILE=default
 TP=1 PP=1 EP=1 SEQ=4096 MBS=1 GBS=32 LR=3e-4 ITERS=1000 OUT=checkpoints/run FROM_HF=0 CPU=0 DRY_RUN=0
 
 while [[ $# -gt 0 ]]; do
@@ -40,6 +43,7 @@ while [[ $# -gt 0 ]]; do
     --pp) PP=$2; shift 2 ;;
     --ep) EP=$2; shift 2 ;;  # expert parallel (mixture-of-experts families)
     --precision) PRECISION=$2; shift 2 ;;
+    --profile) PROFILE=$2; shift 2 ;;
     --seq-length) SEQ=$2; shift 2 ;;
     --mbs) MBS=$2; shift 2 ;;
     --gbs) GBS=$2; shift 2 ;;
@@ -90,7 +94,7 @@ CMD=("${PYTHON:-python}" -m torch.distributed.run --nproc_per_node "$NPROC_PER_N
      -m "megatron_patch.$ENTRY" "${MODEL_ARGS[@]}"
      --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER" "${DATA_ARGS[@]}"
      --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" --expert-model-parallel-size "$EP"
-     --precision "$PRECISION"
+     --precision "$PRECISION" --throughput-profile "$PROFILE"
      --seq-length "$SEQ" --micro-batch-size "$MBS" --global-batch-size "$GBS"
      --lr "$LR" --min-lr "$(awk "BEGIN { printf \"%g\", $LR / 10 }")" --lr-decay-style cosine --lr-warmup-fraction 0.01
      --train-iters "$ITERS" --save "$OUT" --load "$OUT" --save-interval 1000 --log-interval 10

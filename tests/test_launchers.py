@@ -40,7 +40,8 @@ def test_every_family_has_launchers(family, entry, data_flag):
 def test_named_options_environment_and_passthrough():
     code, cmd, _ = _dry_run("qwen2", "--model", "/m/Qwen2.5-0.5B", "--data", "/d/x_text_document", "--tp", "2",
                             "--pp", "4", "--precision", "fp8", "--mbs", "2", "--gbs", "64", "--lr", "1e-3",
-                            "--iters", "500", "--out", "/ckpt", "--from-hf", "--", "--recompute-activations",
+                            "--iters", "500", "--out", "/ckpt", "--from-hf", "--profile", "benchmark", "--",
+                            "--recompute-activations",
                             "--seed", "7", NPROC_PER_NODE="8", NNODES="4", NODE_RANK="3", MASTER_ADDR="node0")
     assert code == 0
 
@@ -52,6 +53,7 @@ def test_named_options_environment_and_passthrough():
     assert (opt("--tensor-model-parallel-size"), opt("--pipeline-model-parallel-size")) == ("2", "4")
     assert (opt("--precision"), opt("--micro-batch-size"), opt("--global-batch-size")) == ("fp8", "2", "64")
     assert (opt("--lr"), opt("--min-lr"), opt("--train-iters"), opt("--save")) == ("1e-3", "0.0001", "500", "/ckpt")
+    assert opt("--throughput-profile") == "benchmark"
     assert cmd[-3:] == ["--recompute-activations", "--seed", "7"]  # passed through last: they win
 
 

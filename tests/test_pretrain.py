@@ -48,7 +48,15 @@ def _run(rank: int, argv: list[str]) -> dict:
         except SystemExit as e:  # --exit-interval ends the run with sys.exit(0)
             if e.code not in (0, None):
                 raise
-    return {"losses": losses, "first_batch": batches[0] if batches else None}
+    from megatron.training import get_args
+
+    settings = {k: getattr(get_args(), k) for k in PROFILE_SETTINGS}
+    return {"losses": losses, "first_batch": batches[0] if batches else None, "settings": settings}
+
+
+# the arguments --throughput-profile sets
+PROFILE_SETTINGS = ("manual_gc", "manual_gc_interval", "cross_entropy_loss_fusion", "cross_entropy_fusion_impl",
+                    "check_for_nan_in_loss_and_grad", "rerun_mode", "create_attention_mask_in_dataloader")
 
 
 @pytest.fixture(scope="module")
@@ -203,3 +211,32 @@ def test_blend_weights_and_prefixes_are_checked(data, tmp_path):
     check_data_paths(Namespace(**base, data_path=["0.7", data, "0.3", data]))
     with pytest.raises(ValueError, match="missing_text_document.bin"):
         check_data_paths(Namespace(**base, data_path=["0.7", data, "0.3", str(tmp_path / "missing_text_document")]))
+
+
+def test_throughput_profiles_reach_megatron_and_train_the_same(data, tmp_path):
+    """--throughput-profile none / default / benchmark: the settings reach Megatron's arguments (a flag
+    given on the command line wins), and the losses stay those of Megatron's defaults. fp32 on CPU: the
+    fused cross-entropy sums in another order (5e-6 at first, 1.1e-4 by step 5 of a 3e-3 learning rate)."""
+    runs = {}
+    for profile in ("none", "default", "benchmark"):
+        argv = _argv(data, str(tmp_path / profile / "ckpt"), "--train-iters", "5", "--throughput-profile", profile)
+        runs[profile] = _train(1, argv)
+    none, default, bench = (runs[p]["settings"] for p in ("none", "default", "benchmark"))
+    assert (none["manual_gc"], none["cross_entropy_loss_fusion"], none["check_for_nan_in_loss_and_grad"]) == \
+        (False, False, True)
+    assert (default["manual_gc"], default["manual_gc_interval"], default["cross_entropy_loss_fusion"],
+            default["cross_entropy_fusion_impl"], default["check_for_nan_in_loss_and_grad"],
+            default["rerun_mode"]) == (True, 100, True, "native", True, "validate_results")
+    assert (bench["check_for_nan_in_loss_and_grad"], bench["rerun_mode"]) == (False, "disabled")
+    # the local implementation reads the loader's attention mask: kept (only Transformer Engine drops it)
+    assert default["create_attention_mask_in_dataloader"] is True
+    for profile in ("default", "benchmark"):
+        diffs = [abs(a - b) for a, b in zip(runs["none"]["losses"], runs[profile]["losses"])]
+        assert len(diffs) == 10 and max(diffs) <= 5e-4, (profile, diffs)
+    # a flag on the command line wins over the profile
+    argv = _argv(data, str(tmp_path / "own" / "ckpt"), "--train-iters", "3", "--manual-gc", "--rerun-mode",
+                 "validate_results", "--throughput-profile", "benchmark")
+    own = _train(1, argv)["settings"]
+    assert (own["manual_gc"], own["manual_gc_interval"], own["rerun_mode"]) == (True, 0, "validate_results")
+    assert own["check_for_nan_in_loss_and_grad"] is False  # the rest of the profile still applies
+

@@ -42,6 +42,12 @@ def add_patch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="one switch for the numeric format: bf16/fp16 (Megatron's --bf16/--fp16), fp8 (bf16 with "
                         "Transformer Engine FP8 GEMMs: --fp8-format, default hybrid; --fp8-recipe, default delayed) "
                         "or fp32; checked against the machine before any GPU work")
+    g.add_argument("--throughput-profile", choices=THROUGHPUT_PROFILES, default="default",
+                   help="default: Megatron settings that make a step cheaper without changing the numbers beyond "
+                        "bf16 rounding (manual GC every 100 iterations, fused cross-entropy, no attention mask "
+                        "from the data loader where Transformer Engine's causal kernels ignore it); benchmark: "
+                        "also skip the per-step safety checks (NaN/Inf in loss and gradients, rerun validation); "
+                        "none: Megatron's own defaults. A flag given on the command line always wins")
     g.add_argument("--cpu", action="store_true",
                    help="train on the CPU, without a GPU (tiny models: debugging a recipe on a laptop): the local "
                         "implementation, CPU initialisation, gloo, no fused kernels; Transformer Engine, fp8, nccl, "
@@ -80,6 +86,38 @@ def _order_help(parser: argparse.ArgumentParser, prog: str | None, description: 
     if description:
         parser.description = description.strip() + "\n\nOur options come first; every Megatron-LM argument follows."
         parser.formatter_class = argparse.RawDescriptionHelpFormatter
+
+
+THROUGHPUT_PROFILES = ("none", "default", "benchmark")
+# (argument, value, the flag that sets it): settings that leave the numbers as they are (up to bf16 rounding)
+_NEUTRAL = (("manual_gc", True, "--manual-gc"), ("manual_gc_interval", 100, "--manual-gc-interval"),
+            ("cross_entropy_loss_fusion", True, "--cross-entropy-loss-fusion"),
+            ("cross_entropy_fusion_impl", "native", "--cross-entropy-fusion-impl"))
+# ... and trade a per-step safety check for speed
+_UNCHECKED = (("check_for_nan_in_loss_and_grad", False, "--no-check-for-nan-in-loss-and-grad"),
+              ("rerun_mode", "disabled", "--rerun-mode"))
+
+
+def apply_throughput_profile(args: argparse.Namespace, given: set[str]) -> dict:
+    """`--throughput-profile`: the settings of the profile that the command line did not set itself.
+    Returns {argument: value} as applied. The data loader's attention mask is dropped only where nothing
+    reads it: Transformer Engine's causal kernels ignore it, unless documents are masked apart
+    (--reset-attention-mask)."""
+    if args.throughput_profile == "none":
+        return {}
+    settings = list(_NEUTRAL)
+    if args.transformer_impl == "transformer_engine" and not args.reset_attention_mask:
+        settings.append(("create_attention_mask_in_dataloader", False, "--no-create-attention-mask-in-dataloader"))
+    if args.throughput_profile == "benchmark":
+        settings += _UNCHECKED
+    if "--manual-gc" in given:  # the user's own GC setting, interval included
+        settings = [s for s in settings if s[0] != "manual_gc_interval"]
+    applied = {}
+    for key, value, flag in settings:
+        if flag not in given:
+            setattr(args, key, value)
+            applied[key] = value
+    return applied
 
 
 def given_flags(argv: list[str]) -> set[str]:
@@ -172,6 +210,7 @@ def parse_args(argv: list[str] | None = None, extra_args_provider=None, indexed_
                              "architecture comes from --hf-config / --load-hf")
         setattr(args, key, value)
     apply_precision(args)
+    apply_throughput_profile(args, given)  # megatron prints the resulting arguments at start
     if indexed_data:
         check_data_paths(args)
         if args.split is None and (args.data_path or args.data_args_path):

@@ -1,0 +1,78 @@
+"""Where a training step's GPU time goes, from PyTorch profiler traces (Chrome trace JSON, as
+`--profile --use-pytorch-profiler` of megatron.training or `torch.profiler` write them):
+
+    python benchmarks/trace_summary.py TRACE.json[.gz] | FOLDER
+
+GPU kernels are grouped by name (GEMM, attention, FP8 casts, norms, communication, optimizer, other) and
+reported as milliseconds and shares of the traced window; `idle` is the part of the window in which no
+kernel ran (the GPU waiting for the host: launch gaps, synchronisation). One JSON object on stdout."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import re
+import sys
+
+# first match wins: communication and attention kernels are named before anything they share words with
+CATEGORIES = (
+    ("communication", r"nccl|all_?reduce|all_?gather|reduce_?scatter"),
+    ("attention", r"flash|fmha|fused_attn|attn|sdpa|softmax"),
+    ("gemm", r"gemm|cutlass|xmma|nvjet|cublas|wgmma|matmul"),
+    ("fp8 cast", r"cast|quantiz|amax|fp8|transpose"),
+    ("norm", r"norm"),
+    ("optimizer", r"adam|multi_tensor|optimizer"),
+)
+
+
+def _events(path: str) -> list[dict]:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    return [e for e in events if e.get("ph") == "X" and str(e.get("cat", "")).lower() in ("kernel", "gpu_memcpy")]
+
+
+def category(name: str) -> str:
+    for label, pattern in CATEGORIES:
+        if re.search(pattern, name, flags=re.IGNORECASE):
+            return label
+    return "other"
+
+
+def summarise(kernels: list[dict]) -> dict:
+    """{"window_ms", "categories": {name: {"ms", "share"}}, "idle_ms", "idle_share"} of kernel events."""
+    if not kernels:
+        raise ValueError("no GPU kernel events in the trace")
+    start = min(k["ts"] for k in kernels)
+    end = max(k["ts"] + k["dur"] for k in kernels)
+    window = end - start
+    totals: dict[str, float] = {}
+    for k in kernels:
+        label = category(k.get("name", ""))
+        totals[label] = totals.get(label, 0.0) + k["dur"]
+    busy, reach = 0.0, start  # union of the kernel intervals (streams overlap)
+    for k in sorted(kernels, key=lambda k: k["ts"]):
+        begin, finish = max(k["ts"], reach), k["ts"] + k["dur"]
+        if finish > begin:
+            busy += finish - begin
+            reach = finish
+    return {"window_ms": round(window / 1e3, 3),
+            "categories": {label: {"ms": round(us / 1e3, 3), "share": round(us / window, 4)}
+                           for label, us in sorted(totals.items(), key=lambda kv: -kv[1])},
+            "idle_ms": round((window - busy) / 1e3, 3), "idle_share": round((window - busy) / window, 4)}
+
+
+def summarise_folder(path: str) -> dict:
+    """The summary of the largest trace file under `path` (a file or a folder)."""
+    files = [path] if os.path.isfile(path) else [
+        os.path.join(root, n) for root, _, names in os.walk(path) for n in names
+        if n.endswith((".json", ".json.gz"))]
+    if not files:
+        raise ValueError(f"no trace (.json / .json.gz) under {path}")
+    return summarise(_events(max(files, key=os.path.getsize)))
+
+
+if __name__ == "__main__":
+    print(json.dumps(summarise_folder(sys.argv[1])))
