@@ -143,7 +143,8 @@ def main() -> None:
         print(f"{shape}: synthesized {size / GB:.2f} GB in {time.time() - t:.1f} s", flush=True)
         runs = [
             ("HF -> torch_dist TP1", ["hf-to-mcore", "--hf-dir", hf, "--out", f"{root}/tp1"]),
-            ("HF -> torch_dist TP2xPP2", ["hf-to-mcore", "--hf-dir", hf, "--out", f"{root}/tp2pp2", "--tp", "2", "--pp", "2"]),
+            ("HF -> torch_dist TP2xPP2",
+             ["hf-to-mcore", "--hf-dir", hf, "--out", f"{root}/tp2pp2", "--tp", "2", "--pp", "2"]),
             ("torch_dist -> HF", ["mcore-to-hf", "--mcore-dir", f"{root}/tp1", "--out", f"{root}/back"]),
         ]
         for label, argv in runs:

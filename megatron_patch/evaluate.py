@@ -62,7 +62,8 @@ def read_questions(path: str) -> list[Question]:
             if not isinstance(choice, str):
                 raise ValueError(f"{where}: choice {k} must be a string, got {json.dumps(choice)}")
         if isinstance(answer, bool) or not isinstance(answer, int):
-            raise ValueError(f"{where}: 'answer' must be the 0-based index of the right choice, got {json.dumps(answer)}")
+            raise ValueError(f"{where}: 'answer' must be the 0-based index of the right choice, "
+                             f"got {json.dumps(answer)}")
         if not 0 <= answer < len(choices):
             raise ValueError(f"{where}: 'answer' {answer} is out of range for {len(choices)} choices "
                              f"(0-based: 0..{len(choices) - 1})")
@@ -129,8 +130,8 @@ def evaluate(args: argparse.Namespace) -> dict:
     import os
 
     from megatron_patch.cli import finite_json, is_first_rank
-    from megatron_patch.inference import model_and_tokenizer
     from megatron_patch.conversion.atomic import atomic_output_file, check_output_file
+    from megatron_patch.inference import model_and_tokenizer
     from megatron_patch.jsonl import read_jsonl_numbered
 
     if not (args.text or args.data_prefix or args.choices):

@@ -207,7 +207,8 @@ def test_nonfinite_weights_are_refused_or_written_with_a_warning(hf_dir, tmp_pat
     assert main(["hf-to-mcore", "--hf-dir", bad, "--out", mc, "--allow-nonfinite"]) == 0
     assert "warning: 1 tensors written with non-finite values" in capsys.readouterr().err
     entries = json.load(open(os.path.join(mc, "tensors.json")))["tensors"]
-    assert [k for k, v in entries.items() if v.get("nonfinite")] == ["decoder.layers.self_attention.linear_proj.weight@1,0,0"]
+    flagged = [k for k, v in entries.items() if v.get("nonfinite")]
+    assert flagged == ["decoder.layers.self_attention.linear_proj.weight@1,0,0"]
     _fails(["mcore-to-hf", "--mcore-dir", mc, "--out", out], out, "non-finite values", capsys)
     _fails(["mcore-to-mcore", "--mcore-dir", mc, "--out", out, "--format", "legacy"], out, "non-finite values", capsys)
     assert main(["verify", "--hf-dir", bad, "--mcore-dir", mc]) == 1
@@ -229,7 +230,7 @@ def test_output_folders_follow_the_umask(hf_dir, tmp_path):
         finally:
             os.umask(old)
         for top in (mc, back):
-            for root, subdirs, names in os.walk(top):
+            for root, _, names in os.walk(top):
                 assert os.stat(root).st_mode & 0o777 == dirs, root
                 for n in names:
                     assert os.stat(os.path.join(root, n)).st_mode & 0o777 == files, os.path.join(root, n)

@@ -164,7 +164,8 @@ def test_help_is_instant_and_every_option_says_what_it_does():
         p = subprocess.run([sys.executable, "-X", "importtime", "-m", "toolkits.checkpoint_converter", *args, "--help"],
                            capture_output=True, text=True)
         assert p.returncode == 0, p.stderr[-2000:]
-        imported = {line.rsplit("|", 1)[-1].strip() for line in p.stderr.splitlines() if line.startswith("import time:")}
+        imported = {line.rsplit("|", 1)[-1].strip() for line in p.stderr.splitlines()
+                    if line.startswith("import time:")}
         assert not {"torch", "megatron", "transformers"} & imported, sorted(imported)[:20]
     assert "torch_dist" in p.stdout and "legacy" in p.stdout
     top = subprocess.run([sys.executable, "-m", "toolkits.checkpoint_converter", "--help"], capture_output=True,

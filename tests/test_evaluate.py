@@ -65,7 +65,7 @@ def test_multiple_choice_picks_the_known_answer(setup, capsys):
 
     root, hf, tok, texts, mc = setup
     rows = []
-    for i, t in enumerate(texts):
+    for t in texts:
         words = t.split()
         question, choices = " ".join(words[:12]), [" ".join(words[12 + 3 * k: 15 + 3 * k]) for k in range(4)]
         ctx = tok.tokenize(question)
@@ -117,8 +117,10 @@ def _model_never_loads(*args, **kwargs):
 BAD_CHOICES = [
     ({"question": "q", "choices": ["a", "b"], "answer": 2}, "'answer' 2 is out of range for 2 choices (0-based: 0..1)"),
     ({"question": "q", "choices": "ab", "answer": 0}, "'choices' must be a list of strings, got a string"),
-    ({"question": "q", "choices": ["a", "b"], "answer": True}, "'answer' must be the 0-based index of the right choice, got true"),
-    ({"question": "q", "choices": ["a", "b"], "answer": "1"}, "'answer' must be the 0-based index of the right choice, got \"1\""),
+    ({"question": "q", "choices": ["a", "b"], "answer": True},
+     "'answer' must be the 0-based index of the right choice, got true"),
+    ({"question": "q", "choices": ["a", "b"], "answer": "1"},
+     "'answer' must be the 0-based index of the right choice, got \"1\""),
     ({"question": "q", "choices": [], "answer": 0}, "'choices' is empty"),
     ({"question": "q", "choices": ["a", 2], "answer": 0}, "choice 1 must be a string, got 2"),
     ({"question": 3, "choices": ["a"], "answer": 0}, "'question' must be a string, got 3"),

@@ -48,7 +48,8 @@ def test_named_options_environment_and_passthrough():
     def opt(name):
         return cmd[cmd.index(name) + 1]
 
-    assert (opt("--nproc_per_node"), opt("--nnodes"), opt("--node_rank"), opt("--master_addr")) == ("8", "4", "3", "node0")
+    assert (opt("--nproc_per_node"), opt("--nnodes"), opt("--node_rank"), opt("--master_addr")) == \
+        ("8", "4", "3", "node0")
     assert opt("--load-hf") == "/m/Qwen2.5-0.5B" and "--hf-config" not in cmd
     assert (opt("--tensor-model-parallel-size"), opt("--pipeline-model-parallel-size")) == ("2", "4")
     assert (opt("--precision"), opt("--micro-batch-size"), opt("--global-batch-size")) == ("fp8", "2", "64")

@@ -103,7 +103,8 @@ def test_torch_dist_for_transformer_engine_holds_its_extra_states(cpu_megatron, 
     c = case(variant)
     hf, out = save_case(c, str(tmp_path / "hf")), str(tmp_path / "mc")
     assert main(["hf-to-mcore", "--hf-dir", hf, "--out", out, "--impl", "transformer_engine"]) == 0
-    stored = {k.split("/shard_")[0] for k in FileSystemReader(checkpoint_step_dir(out)).read_metadata().state_dict_metadata}
+    metadata = FileSystemReader(checkpoint_step_dir(out)).read_metadata()
+    stored = {k.split("/shard_")[0] for k in metadata.state_dict_metadata}
     names = extra_state_names(make_plan(c.cfg, Layout(), "transformer_engine"), 0)
     keys = names if variant in MOE else {re.sub(r"^decoder\.layers\.\d+\.", "decoder.layers.", n) for n in names}
     assert keys <= stored, sorted(keys - stored)[:6]
@@ -162,7 +163,8 @@ def test_expert_parallel_ranks_hold_their_experts_numbered_from_zero():
                 hf = c.sd[f"model.layers.0.block_sparse_moe.experts.{glob}.w2.weight"]
                 assert torch.equal(sd[name.format(j=local)], hf)
             # everything that is not an expert is the same on every EP rank
-            assert torch.equal(sd["decoder.layers.0.mlp.router.weight"], ranks[(0, 0, 0)]["decoder.layers.0.mlp.router.weight"])
+            router = "decoder.layers.0.mlp.router.weight"
+            assert torch.equal(sd[router], ranks[(0, 0, 0)][router])
 
 
 @pytest.mark.parametrize("variant,tp,pp,ep", [("mixtral", 1, 1, 2), ("qwen2_moe", 2, 2, 2), ("qwen3_moe", 1, 2, 2)])
@@ -204,10 +206,10 @@ def test_deepseek_router_choices_and_mtp_layers(cpu_megatron):
         ours, theirs = {}, {}
         for i, layer in enumerate(model.decoder.layers):
             if hasattr(layer.mlp, "router"):
-                layer.mlp.router.register_forward_hook(lambda m, a, out, i=i: ours.__setitem__(i, out[1]))
+                layer.mlp.router.register_forward_hook(lambda m, a, out, i=i, d=ours: d.__setitem__(i, out[1]))
         for i, layer in enumerate(c.ref.model.layers):
             if hasattr(layer.mlp, "gate"):
-                layer.mlp.gate.register_forward_hook(lambda m, a, out, i=i: theirs.__setitem__(i, out[-1]))
+                layer.mlp.gate.register_forward_hook(lambda m, a, out, i=i, d=theirs: d.__setitem__(i, out[-1]))
         ids = fixed_prompts(c.vocab_size, batch=2, seq=24)
         megatron_logits(model, ids, c.vocab_size)
         with torch.no_grad():

@@ -31,7 +31,8 @@ LAUNCHER_TINY = ["--cpu", "--seq-length", "64", "--mbs", "2", "--gbs", "4", "--i
 SKIP = {
     "make ": "the quick start itself: CI runs `make test`; tests/test_cli.py runs the demo `make demo` runs",
     "pip install": "installs packages",
-    "megatron_patch.lm_eval_model": "needs lm-eval's hub datasets; tests/test_lm_eval.py runs the same CLI on local tasks",
+    "megatron_patch.lm_eval_model": "needs lm-eval's hub datasets; tests/test_lm_eval.py runs the same CLI on "
+                                    "local tasks",
 }
 
 

@@ -10,8 +10,14 @@ import os
 import pytest
 
 from megatron_patch.models.family import padded_vocab_size
-from megatron_patch.tokenizer import (CORPUS, TINY_TOKENIZER, HFTokenizer, SentencePieceTokenizer, build_tokenizer,
-                                      to_messages)
+from megatron_patch.tokenizer import (
+    CORPUS,
+    TINY_TOKENIZER,
+    HFTokenizer,
+    SentencePieceTokenizer,
+    build_tokenizer,
+    to_messages,
+)
 
 CONVERSATION = [
     {"role": "system", "content": "You answer questions about Python."},

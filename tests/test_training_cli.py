@@ -140,7 +140,7 @@ def test_bad_input_is_one_error_line(work, tmp_path):
     }
     runs = [(entry, base + argv) for entry, argv in cases.values()]
     results = _cpu.run_world(1, _errors, runs)[0]
-    for (match, (entry, argv)), (code, err) in zip(cases.items(), results):
+    for match, (code, err) in zip(cases, results):
         lines = err.strip().splitlines()
         assert code == 1 and lines and lines[-1].startswith("error: ") and match in lines[-1], (match, err[-2000:])
         assert "Traceback" not in err, err

@@ -1,6 +1,6 @@
 """Training through the modules megatron-core lacks (ALiBi, embedding LayerNorm, post-sublayer norms,
-NormHead, parallel attention + MLP), on CPU: forward + backward reach every parameter, and a few optimizer steps on one batch
-lower the loss. TP=PP=1; the TP-split forward is covered by tests/distributed."""
+NormHead, parallel attention + MLP), on CPU: forward + backward reach every parameter, and a few optimizer steps
+on one batch lower the loss. TP=PP=1; the TP-split forward is covered by tests/distributed."""
 
 import pytest
 import torch

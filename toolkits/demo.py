@@ -18,6 +18,7 @@ import sys
 import time
 
 import torch
+
 from megatron_patch.conversion.hf_io import read_all
 from megatron_patch.models.registry import load_hf_config
 from megatron_patch.testing import TINY_LLAMA, random_hf_model

@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import numpy
+
 from megatron_patch.cli import HelpFormatter, positive_int, run
 
 if TYPE_CHECKING:  # imported on use: megatron-core's import is slow and noisy, main() quiets it first

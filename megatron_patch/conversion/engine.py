@@ -9,8 +9,9 @@ the strict accounting of every key.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping as MappingABC
 import dataclasses
+from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Mapping as MappingABC
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 

@@ -516,7 +516,7 @@ class MegatronCheckpoint:
     num_query_groups: int | None = None  # as stored (kv heads replicated for a larger TP), if known
 
     @classmethod
-    def open(cls, path: str, hf_config: str | None = None) -> "MegatronCheckpoint":
+    def open(cls, path: str, hf_config: str | None = None) -> MegatronCheckpoint:
         """`hf_config` (a config.json or HF folder) is needed only for checkpoints not written by
         megatron_patch (e.g. by `megatron.training`), which carry no `hf/` side folder."""
         step_dir = checkpoint_step_dir(path)
@@ -542,7 +542,8 @@ class MegatronCheckpoint:
             first = load_legacy_file(os.path.join(legacy_rank_dir(step_dir, 0, 0, pp, 0, ep), LEGACY_FILE))["model"]
             emb = first.get("embedding.word_embeddings.weight")
             if emb is None:
-                raise ConversionError(f"{legacy_rank_dir(step_dir, 0, 0, pp, 0, ep)}: no embedding.word_embeddings.weight")
+                raise ConversionError(f"{legacy_rank_dir(step_dir, 0, 0, pp, 0, ep)}: "
+                                      "no embedding.word_embeddings.weight")
             dtype, rows = emb.dtype, emb.shape[0] * tp
             qkv = first.get("decoder.layers.0.self_attention.linear_qkv.weight")
             qkv_rows = None if qkv is None else qkv.shape[0] * tp

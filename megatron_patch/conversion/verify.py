@@ -132,7 +132,8 @@ def same_model(hf_dir: str, hf_config: dict, where: str) -> None:
         return
     keys = sorted(k for k in set(ref) | set(hf_config)
                   if k not in _NOT_ARCHITECTURE and ref.get(k) != hf_config.get(k))
-    diff = "; ".join(f"{k}: {ref.get(k)!r} vs {hf_config.get(k)!r}" for k in keys[:6]) or f"{family.name} vs {other.name}"
+    diff = ("; ".join(f"{k}: {ref.get(k)!r} vs {hf_config.get(k)!r}" for k in keys[:6])
+            or f"{family.name} vs {other.name}")
     raise ValueError(f"{hf_dir} and {where} are different models ({diff}{'; ...' if len(keys) > 6 else ''})")
 
 

@@ -93,7 +93,8 @@ class DeepSeek(MoEDecoder):
             kw.update(rope_type="yarn", rotary_scaling_factor=float(scaling["factor"]),
                       original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
                       beta_fast=float(scaling.get("beta_fast", 32)), beta_slow=float(scaling.get("beta_slow", 1)),
-                      mscale=float(scaling.get("mscale", 1.0)), mscale_all_dim=float(scaling.get("mscale_all_dim", 0.0)))
+                      mscale=float(scaling.get("mscale", 1.0)),
+                      mscale_all_dim=float(scaling.get("mscale_all_dim", 0.0)))
         if self.sigmoid_router:
             k, groups, topk_group = self.top_k(c), int(c.get("n_group") or 1), int(c.get("topk_group") or 1)
             if not self.norm_topk(c) and k > 1:
@@ -138,7 +139,8 @@ class DeepSeek(MoEDecoder):
                           te_replicated=True),
                 on_layers(Replicated(f"{hf}q_a_layernorm.weight", f"{mc}q_layernorm.weight"),
                           te_name=f"{te}linear_q_up_proj.layer_norm_weight"),
-                ColumnParallel(f"{hf}q_b_proj.weight", f"{mc}linear_q_up_proj.weight"),on_layers(ColumnParallel(f"{hf}kv_a_proj_with_mqa.weight", f"{mc}linear_kv_down_proj.weight"),
+                ColumnParallel(f"{hf}q_b_proj.weight", f"{mc}linear_q_up_proj.weight"),
+                on_layers(ColumnParallel(f"{hf}kv_a_proj_with_mqa.weight", f"{mc}linear_kv_down_proj.weight"),
                           te_replicated=True),
                 on_layers(Replicated(f"{hf}kv_a_layernorm.weight", f"{mc}kv_layernorm.weight"),
                           te_name=f"{te}linear_kv_up_proj.layer_norm_weight"),

@@ -265,9 +265,8 @@ class DenseDecoder(ModelFamily):
 
             use_norm_head(model)
         if self.embedding_norm:
-            from megatron_patch.models.modules.embedding_norm import add_embedding_norm
-
             from megatron_patch.models.modules import norm_class
+            from megatron_patch.models.modules.embedding_norm import add_embedding_norm
 
             add_embedding_norm(model, norm_class(model.config.transformer_impl))
 

@@ -16,8 +16,8 @@ from typing import Any, Literal
 import torch
 
 from megatron_patch import patches
-from megatron_patch.names import IMPLS
 from megatron_patch.models.mappings import Drop, Mapping, Shapes
+from megatron_patch.names import IMPLS
 
 Impl = Literal["local", "transformer_engine"]
 

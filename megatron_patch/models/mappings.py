@@ -76,8 +76,8 @@ class Mapping:
         return "{layer}" in self.megatron
 
 
-def on_layers(m: "Mapping", layers=None, expert: int | None = None, te_name: str | None = None,
-              te_replicated: bool = False) -> "Mapping":
+def on_layers(m: Mapping, layers=None, expert: int | None = None, te_name: str | None = None,
+              te_replicated: bool = False) -> Mapping:
     """`m` with the per-layer attributes above (a frozen mapping: they are set once, here)."""
     object.__setattr__(m, "layers", None if layers is None else frozenset(layers))
     object.__setattr__(m, "expert", expert)

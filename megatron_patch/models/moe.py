@@ -147,7 +147,8 @@ class MoEDecoder(DenseDecoder):
             src = hf + e.expert.format(expert=j)
             moe(GatedMLP(f"{src}{e.gate}.weight", f"{src}{e.up}.weight", f"{dst}linear_fc1.weight"), j,
                 f"{grouped}linear_fc1.weight{{expert}}")
-            moe(RowParallel(f"{src}{e.down}.weight", f"{dst}linear_fc2.weight"), j, f"{grouped}linear_fc2.weight{{expert}}")
+            moe(RowParallel(f"{src}{e.down}.weight", f"{dst}linear_fc2.weight"), j,
+                f"{grouped}linear_fc2.weight{{expert}}")
         if self.shared_expert:
             src, dst = hf + e.shared, f"{mc}mlp.shared_experts."
             moe(GatedMLP(f"{src}{e.gate}.weight", f"{src}{e.up}.weight", f"{dst}linear_fc1.weight"))

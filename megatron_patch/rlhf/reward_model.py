@@ -18,7 +18,6 @@ from functools import partial
 
 import torch
 
-
 _PAD: dict[str, int | None] = {}  # the reward model's pad_token_id, set when its config is made
 
 

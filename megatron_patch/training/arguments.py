@@ -20,7 +20,6 @@ from typing import Any
 
 from megatron_patch.models import Layout, get_family, load_hf_config
 
-
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 _TRAINING_CHOICES = {"hidden_dropout", "attention_dropout", "init_method_std"}
 GROUP_PREFIX = "megatron_patch"  # our argument groups: listed first in --help
@@ -370,7 +369,9 @@ def check_splits(args: argparse.Namespace) -> set[str]:
     if getattr(args, "mock_data", False):
         return set(_SPLITS)
     from megatron.core.datasets.blended_megatron_dataset_config import (
-        convert_split_vector_to_split_matrix, parse_and_normalize_split)
+        convert_split_vector_to_split_matrix,
+        parse_and_normalize_split,
+    )
     from megatron.core.datasets.indexed_dataset import IndexedDataset
     from megatron.training.utils.common_utils import get_blend_and_blend_per_split
 

@@ -94,7 +94,8 @@ def main() -> None:
             "ep1": train(out, "moe_ep1", 1, data, model, 20, *moe)}
     ep2, ep1 = runs["ep2"]["losses"], runs["ep1"]["losses"]
     report["runs"] = {k: {"rc": v["rc"], "ms_per_iter": v["ms_per_iter"], "first": v["losses"].get(1),
-                          "last": v["losses"].get(max(v["losses"], default=0)), "tail": v["tail"]} for k, v in runs.items()}
+                          "last": v["losses"].get(max(v["losses"], default=0)), "tail": v["tail"]}
+                      for k, v in runs.items()}
     report["ep2_loss_1_5_last5"] = [sum(ep2.get(i, 0) for i in range(1, 6)) / 5,
                                     sum(ep2.get(i, 0) for i in range(46, 51)) / 5]
     report["ep2_vs_ep1_max_diff_1_20"] = compare(ep1, ep2, range(1, 21))

@@ -43,7 +43,8 @@ def megatron_run(out: str, name: str, entry: str, hf_dir: str, data: str, iters:
            "--lr-decay-style", "constant", "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "100000",
            "--seed", "1234", "--make-vocab-size-divisible-by", "4", "--transformer-impl", "transformer_engine",
            "--precision", "bf16", "--use-distributed-optimizer", *extra]
-    env = {**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1", "PYTHONPATH": ROOT + ":" + os.environ.get("PYTHONPATH", "")}
+    env = {**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+           "PYTHONPATH": ROOT + ":" + os.environ.get("PYTHONPATH", "")}
     with open(os.path.join(out, f"{name}.log"), "w") as log:
         p = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     text = open(os.path.join(out, f"{name}.log")).read()

@@ -1,7 +1,8 @@
 """Every model family under Transformer Engine on the GPU machine: the TE layer spec (fused/flash
 attention with sliding window, LayerNorm with bias, interleaved partial rotary, post-sublayer norms,
-NormHead, qk-norm, TE's ALiBi, embedding LayerNorm, learned positions, parallel attention + MLP) against the local spec and the transformers reference, and the TE state-dict
-names (incl. `_extra_state`) our legacy writer produces against a real TE model's.
+NormHead, qk-norm, TE's ALiBi, embedding LayerNorm, learned positions, parallel attention + MLP) against
+the local spec and the transformers reference, and the TE state-dict names (incl. `_extra_state`) our
+legacy writer produces against a real TE model's.
 
 Run there: python -m pytest -q tests/gpu -s   (results: tests/gpu/RESULTS.md)"""
 

@@ -60,7 +60,8 @@ def train(out: str, name: str, nproc: int, data: str, model: list[str], iters: i
            "--eval-interval", "100000", "--seed", "1234", "--no-gradient-accumulation-fusion",
            "--make-vocab-size-divisible-by", "4", "--data-cache-path", os.path.join(out, "cache"),
            "--transformer-impl", "transformer_engine", "--precision", "bf16", *extra]
-    env = {**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1", "PYTHONPATH": ROOT + ":" + os.environ.get("PYTHONPATH", "")}
+    env = {**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+           "PYTHONPATH": ROOT + ":" + os.environ.get("PYTHONPATH", "")}
     with open(os.path.join(out, f"{name}.log"), "w") as log:
         p = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     text = open(os.path.join(out, f"{name}.log")).read()
@@ -88,8 +89,8 @@ def main() -> None:
     hf_dir = os.path.join(out, "hf_start")
     if not os.path.isdir(hf_dir):
         save_hf(hf_model(MODEL), hf_dir)
-        from megatron_patch.tokenizer import TINY_TOKENIZER
         from megatron_patch.conversion.hf_io import copy_side_files
+        from megatron_patch.tokenizer import TINY_TOKENIZER
 
         copy_side_files(TINY_TOKENIZER, hf_dir, ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"])
     runs = {}

@@ -1,5 +1,5 @@
-"""megatron_patch.jsonl's readers and conversion.atomic's output files: rows keep their 1-based line numbers (blank lines
-counted); an output file is checked before any work and written through a temporary file that replaces
+"""megatron_patch.jsonl's readers and conversion.atomic's output files: rows keep their 1-based line numbers
+(blank lines counted); an output file is checked before any work and written through a temporary file that replaces
 it only when the writing succeeded, with the mode `open()` would give it."""
 
 import os

@@ -59,9 +59,9 @@ def test_unsupported_configs_raise_clearly(overrides, match):
 
 def test_megatron_config_back_to_hf(cpu_megatron):
     """(d): Megatron config -> HF config.json reproduces the architecture fields."""
-    from megatron_patch.models import transformer_config
-
     from transformers import AutoConfig
+
+    from megatron_patch.models import transformer_config
 
     for variant in ("gqa", "tied", "llama3_rope", "linear_rope", "bias", "head_dim", "geglu", "qwen2", "qwen3",
                     "mistral", "mistral_swa", "starcoder2", "starcoder2_swa", "glm", "glm_tied", "glm4"):

@@ -33,12 +33,12 @@ def _parser() -> argparse.ArgumentParser:
                               formatter_class=HelpFormatter)
 
     def layout(c: argparse.ArgumentParser, default: int | None, keep: str = "") -> None:
-        c.add_argument("--tp", "--tensor-model-parallel-size", dest="tp", type=positive_int, default=default, metavar="N",
-                       help="tensor parallel ranks" + keep)
-        c.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", type=positive_int, default=default, metavar="N",
-                       help="pipeline parallel ranks (stages)" + keep)
-        c.add_argument("--ep", "--expert-model-parallel-size", dest="ep", type=positive_int, default=default, metavar="N",
-                       help="expert parallel ranks of a mixture-of-experts model" + keep)
+        c.add_argument("--tp", "--tensor-model-parallel-size", dest="tp", type=positive_int, default=default,
+                       metavar="N", help="tensor parallel ranks" + keep)
+        c.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", type=positive_int, default=default,
+                       metavar="N", help="pipeline parallel ranks (stages)" + keep)
+        c.add_argument("--ep", "--expert-model-parallel-size", dest="ep", type=positive_int, default=default,
+                       metavar="N", help="expert parallel ranks of a mixture-of-experts model" + keep)
 
     def common(c: argparse.ArgumentParser, dtype_help: str) -> None:
         c.add_argument("--dtype", choices=DTYPE_NAMES, help=dtype_help)

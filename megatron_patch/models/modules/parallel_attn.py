@@ -42,7 +42,8 @@ class SharedNormParallelLayer(ParallelAttentionMLPLayer):
         if not isinstance(self.input_layernorm, IdentityOp):
             return self.input_layernorm(x)
         qkv = self.self_attention.linear_qkv  # TE: the norm lives in the fused LayerNorm-linear
-        return F.layer_norm(x, (x.shape[-1],), qkv.layer_norm_weight, qkv.layer_norm_bias, self.config.layernorm_epsilon)
+        return F.layer_norm(x, (x.shape[-1],), qkv.layer_norm_weight, qkv.layer_norm_bias,
+                            self.config.layernorm_epsilon)
 
 
 def with_parallel_attention(layer_spec: ModuleSpec, impl: str, shared_norm: bool) -> ModuleSpec:
