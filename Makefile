@@ -20,8 +20,10 @@ $(STAMP): setup.py
 demo: $(STAMP)
 	$(PY) -m toolkits.demo
 
-# pytest exits 5 when it collected nothing: that is a failure here, not a pass.
+# The lint step first (ruff, configured in pyproject.toml); pytest exits 5 when it collected nothing: that
+# is a failure here, not a pass.
 test: $(STAMP)
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 

@@ -22,10 +22,11 @@ setup(
         "numpy>=1.26",
         "psutil>=5.9",
         "tqdm>=4.66",
+        "einops>=0.8",  # megatron-core's dynamic inference engine (an optional import there)
     ],
     extras_require={
         "te": ["transformer-engine[pytorch]>=2.0"],
         "lm_eval": ["lm-eval[hf]>=0.4.13,<0.5"],
-        "test": ["pytest>=8.0", "lm-eval[hf]>=0.4.13,<0.5"],
+        "test": ["pytest>=8.0", "ruff>=0.8", "lm-eval[hf]>=0.4.13,<0.5"],
     },
 )

@@ -1,113 +1,281 @@
-"""Generation throughput on the GPU machine: `megatron_patch.inference.generate` (megatron.core.inference,
-static batching with a KV cache, Transformer Engine spec) vs HF `generate` (sdpa, its default dynamic
-cache) on the same weights, same run. Prints a table (docs/benchmarks.md).
+"""Generation throughput on the GPU machine: `megatron_patch.inference.generate` on megatron-core's dynamic
+inference engine (continuous batching, paged KV cache, CUDA graphs) and on its static one, next to HF
+`generate` on the same weights, in the same run. Prints a table (docs/benchmarks.md) and one JSON line.
 
-    python benchmarks/generate_bench.py [--shape 1b] [--batches 1 32] [--prompt 512] [--new 256]
+    python benchmarks/generate_bench.py [--shapes 1b 8b] [--requests 1 32 256] [--new 256] \\
+        [--min-prompt 128] [--max-prompt 1024] [--prompts prompts.jsonl] [--hf hf hf-static-compile]
+    python benchmarks/generate_bench.py --shapes tiny --device cpu --impl local --dtype fp32 \\
+        --requests 1 3 --new 4 --min-prompt 4 --max-prompt 12 --repeat 1 --hf hf       # the logic, on a CPU
 
-LLaMA-3.2-1B widths (hidden 2048, 16 layers, 32 heads / 8 kv heads, vocab 128,256), random bf16 weights
-made by transformers and converted in memory. Greedy, no early stop: every sequence produces exactly
-`--new` tokens from a random `--prompt`-token prompt. tokens/s = batch x new tokens / wall time of the
-whole call (prefill included), after one short warm-up call each; median of `--repeat` calls.
-`--shape tiny --impl local --device cpu` runs the script's logic on a CPU.
+Shapes: LLaMA-3 widths (`1b`: Llama-3.2-1B, hidden 2048, 16 layers, tied embeddings; `8b`: Llama-3.1-8B,
+hidden 4096, 32 layers), vocab 128,256, random bf16 weights made by transformers and converted in memory.
+Requests: a JSONL file of prompts (`{"prompt_ids": [...]}`, random token ids, lengths uniform in
+[--min-prompt, --max-prompt], seed 0; written to --prompts if that file does not exist, else read from it);
+a row with N requests takes the file's first N. Greedy, no early stop: every request produces exactly
+--new tokens.
+
+Rows for N requests: ours, all N queued in one `generate` call with N in flight (`--cuda-graph-impl`:
+graphs on or off); `hf`: HF `generate` on the N prompts as one left-padded batch (sdpa, dynamic cache);
+`hf-static-compile`: the same with `cache_implementation="static"` and the forward compiled
+(`torch.compile(mode="reduce-overhead")`), skipped with the reason when it fails. tokens/s = N x --new /
+wall time of the call (prefill included), median of --repeat after one warm-up call of the same shape.
+At N = 1 each side is also timed for a single new token, and ms per decoded token = (time for --new tokens -
+time for 1) / (--new - 1), next to the memory-bandwidth bound: the bytes a decode step must read (every
+weight but the input embedding table, of which one row is read; the KV cache is small at N = 1) divided
+by --bandwidth-tb-s (4.8 for the H200). Peak memory: torch.cuda.max_memory_allocated during the call.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import gc
+import importlib.metadata
 import json
+import os
+import random
 import time
 
 import torch
 
-SHAPES = {
+SHAPES = {  # LLaMA-3 widths
     "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-               num_key_value_heads=8, vocab_size=128256),
+               num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True),
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
     "tiny": dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=8,
-                 num_key_value_heads=2, vocab_size=1000),
+                 num_key_value_heads=2, vocab_size=1000, tie_word_embeddings=True),
 }
+HF_RUNS = ("hf", "hf-static-compile")
+
+
+def write_prompts(path: str, count: int, low: int, high: int, vocab: int, seed: int = 0) -> None:
+    """`count` prompts of random token ids, lengths uniform in [low, high]."""
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(count):
+            f.write(json.dumps({"prompt_ids": [rng.randrange(vocab) for _ in range(rng.randint(low, high))]}) + "\n")
+
+
+def read_prompts(path: str, vocab: int) -> list[list[int]]:
+    rows = [json.loads(line)["prompt_ids"] for line in open(path) if line.strip()]
+    if not rows:
+        raise SystemExit(f"error: no prompts in {path}")
+    if any(not r or max(r) >= vocab for r in rows):
+        raise SystemExit(f"error: {path}: an empty prompt or a token id outside the vocab of {vocab}")
+    return rows
+
+
+def hf_config(shape: str, context: int) -> dict:
+    s = SHAPES[shape]
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **s,
+            "head_dim": s["hidden_size"] // s["num_attention_heads"], "max_position_embeddings": context,
+            "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "hidden_act": "silu"}
+
+
+def bytes_read_per_decode_step(hf) -> int:
+    """Every weight once (tied embeddings once), less the input embedding table when it is a separate
+    matrix (a decode step reads one row of it)."""
+    total = sum(p.numel() * p.element_size() for p in hf.parameters())  # parameters() lists a tied weight once
+    if not hf.config.tie_word_embeddings:
+        emb = hf.get_input_embeddings().weight
+        total -= emb.numel() * emb.element_size()
+    return total
+
+
+def versions() -> dict:
+    out = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
+           "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none"}
+    for name in ("transformers", "megatron-core", "transformer-engine", "transformer_engine_torch", "flash-attn",
+                 "flash-attn-4", "einops"):
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    from megatron.core.transformer import attention
+
+    out["attention"] = ("flash-attn" if attention.HAVE_FA3 or attention.HAVE_FA4
+                        or attention.flash_attn_varlen_func is not None else "torch (paged_attention_in_torch patch)")
+    return out
+
+
+class Timer:
+    def __init__(self, device: str, repeat: int):
+        self.device, self.repeat = device, repeat
+
+    def sync(self) -> None:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+
+    def __call__(self, fn) -> tuple[float, float | None]:
+        """(median seconds of `repeat` calls after one warm-up call, peak GiB allocated during them on a
+        GPU)."""
+        fn()
+        if self.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        times = []
+        for _ in range(self.repeat):
+            self.sync()
+            t = time.perf_counter()
+            fn()
+            self.sync()
+            times.append(time.perf_counter() - t)
+        peak = torch.cuda.max_memory_allocated() / 1024 ** 3 if self.device == "cuda" else None
+        return sorted(times)[len(times) // 2], peak
 
 
 class _Ids:
-    """The little megatron's controller asks of a tokenizer when ids go in and out."""
+    """What megatron's engine asks of a tokenizer when ids go in and out (no stop strings here)."""
 
     eod = 0
 
-    def detokenize(self, ids) -> str:
+    def detokenize(self, ids, **kwargs) -> str:
         return ""
 
 
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def timed(fn, device: str, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        _sync(device)
-        t = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t)
-    return sorted(times)[len(times) // 2]
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", default="1b", choices=sorted(SHAPES))
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 32])
-    ap.add_argument("--prompt", type=int, default=512)
-    ap.add_argument("--new", type=int, default=256)
-    ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--impl", default="transformer_engine", choices=["transformer_engine", "local"])
-    ap.add_argument("--device", default="cuda")
-    a = ap.parse_args()
+def run_shape(a, shape: str, prompts: list[list[int]], timer: Timer) -> list[dict]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from megatron_patch.conversion.engine import hf_to_megatron, load_rank_state_dict, make_plan
-    from megatron_patch.inference import generate
+    from megatron_patch.inference import generate, release_engine
     from megatron_patch.models import Layout, build_model
+    from megatron_patch.names import torch_dtype
 
-    dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
-    s = SHAPES[a.shape]
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **s, "head_dim": s["hidden_size"] // s[
-        "num_attention_heads"], "max_position_embeddings": a.prompt + a.new, "rms_norm_eps": 1e-5,
-           "rope_theta": 500000.0, "tie_word_embeddings": True, "hidden_act": "silu"}
+    dtype = torch_dtype(a.dtype)
+    cfg = hf_config(shape, max(len(p) for p in prompts) + a.new)
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg), attn_implementation="sdpa",
                                           dtype=dtype).to(a.device).eval()
     sd = hf.state_dict()
     model = build_model(cfg, impl=a.impl, dtype=dtype, perform_initialization=False)
-    state = hf_to_megatron(make_plan(cfg, Layout(), a.impl), sd.__getitem__, sd.keys(), dtype)[(0, 0, 0)]
-    load_rank_state_dict(model, state)
+    load_rank_state_dict(model, hf_to_megatron(make_plan(cfg, Layout(), a.impl), sd.__getitem__, sd.keys(), dtype)
+                         [(0, 0, 0)])
     model.eval()
+    del sd
+    graphs = {"local": True, "none": False, None: None}[a.cuda_graph_impl]
+    bound_ms = bytes_read_per_decode_step(hf) / (a.bandwidth_tb_s * 1e12) * 1e3
     rows = []
-    for batch in a.batches:
-        prompts = torch.randint(0, s["vocab_size"], (batch, a.prompt), device=a.device)
-        ids = prompts.tolist()
+    for n in a.requests:
+        batch = prompts[:n]
+        padded = max(len(p) for p in batch)
+        ids = torch.tensor([[0] * (padded - len(p)) + p for p in batch], device=a.device)
+        mask = torch.tensor([[0] * (padded - len(p)) + [1] * len(p) for p in batch], device=a.device)
 
-        def ours(n=a.new):
-            return generate(model, _Ids(), ids, n, top_k=1, max_batch_size=batch, stop_id=None)
+        def ours(new: int = a.new, engine: str = "dynamic", batch=batch, n=n) -> None:
+            out = generate(model, _Ids(), batch, new, top_k=1, max_batch_size=n, stop_id=None,
+                           cuda_graphs=graphs if engine == "dynamic" else None, engine=engine)
+            assert all(len(t) == new for t in out)
 
-        def theirs(n=a.new):
+        def hf_call(new: int = a.new, ids=ids, mask=mask, padded=padded, **kw) -> None:
             with torch.no_grad():
-                return hf.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=n,
-                                   min_new_tokens=n, do_sample=False, pad_token_id=0)
+                out = hf.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                  pad_token_id=0, **kw)
+            assert out.shape[1] == padded + new
 
-        ours(4), theirs(4)  # warm-up
-        assert all(len(t) == a.new for t in ours()) and theirs().shape[1] == a.prompt + a.new
-        for name, fn in (("HF generate", theirs), ("ours (megatron.core.inference)", ours)):
-            seconds = timed(fn, a.device, a.repeat)
-            rows.append({"batch": batch, "run": name, "seconds": round(seconds, 3),
-                         "tokens_per_s": round(batch * a.new / seconds, 1)})
-        rows[-1]["vs_hf"] = round(rows[-2]["seconds"] / rows[-1]["seconds"], 2)
-        print(rows[-2:], flush=True)
-    print(f"\n{a.shape}, {dtype}, prompt {a.prompt}, {a.new} new tokens, greedy\n")
-    print("| batch | run | seconds | tokens/s | × HF |")
-    print("|---|---|---|---|---|")
+        runs = [("ours (dynamic engine)", ours),
+                ("ours (static engine)", lambda new=a.new: ours(new, "static"))]
+        if "hf" in a.hf:
+            runs.append(("HF generate", hf_call))
+        if "hf-static-compile" in a.hf:
+            runs.append(("HF static cache + torch.compile",
+                         lambda new=a.new: hf_call(new, cache_implementation="static")))
+        for name, fn in runs:
+            row = {"shape": shape, "requests": n, "run": name}
+            try:
+                if name.startswith("HF static"):
+                    hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
+                seconds, peak = timer(fn)
+                row.update(seconds=round(seconds, 3), tokens_per_s=round(n * a.new / seconds, 1),
+                           peak_gib=None if peak is None else round(peak, 2))
+                if n == 1:
+                    one, _ = timer(lambda fn=fn: fn(1))
+                    row["ms_per_token"] = float(f"{(seconds - one) / (a.new - 1) * 1e3:.4g}")
+                    row["bound_ms"] = float(f"{bound_ms:.4g}")
+            except Exception as e:  # a row that cannot run says why, the others go on
+                row["skipped"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            finally:
+                hf.__dict__.pop("forward", None)  # back to the class's forward
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        release_engine()
+    base = {r["requests"]: r for r in rows if r["run"] == "HF generate" and "seconds" in r}
     for r in rows:
-        print(f"| {r['batch']} | {r['run']} | {r['seconds']} | {r['tokens_per_s']} | {r.get('vs_hf', 1.0)} |")
-    print(json.dumps(rows))
+        if r["requests"] in base and "seconds" in r:
+            r["vs_hf"] = round(base[r["requests"]]["seconds"] / r["seconds"], 2)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| shape | requests | run | seconds | tokens/s | × HF | ms/token (N=1) | bound ms | peak GiB |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "skipped" in r:
+            lines.append(f"| {r['shape']} | {r['requests']} | {r['run']} | skipped: {r['skipped']} | | | | | |")
+            continue
+        lines.append(f"| {r['shape']} | {r['requests']} | {r['run']} | {r['seconds']} | {r['tokens_per_s']:,} | "
+                     f"{r.get('vs_hf', '')} | {r.get('ms_per_token', '')} | {r.get('bound_ms', '')} | "
+                     f"{'' if r['peak_gib'] is None else r['peak_gib']} |")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", nargs="+", default=["1b", "8b"], choices=sorted(SHAPES), help="model widths")
+    ap.add_argument("--requests", type=int, nargs="+", default=[1, 32, 256], help="requests per row")
+    ap.add_argument("--new", type=int, default=256, help="new tokens per request")
+    ap.add_argument("--min-prompt", type=int, default=128, help="shortest prompt, tokens")
+    ap.add_argument("--max-prompt", type=int, default=1024, help="longest prompt, tokens")
+    ap.add_argument("--prompts", help="JSONL of prompt_ids (written if missing; default: a temporary file)")
+    ap.add_argument("--repeat", type=int, default=3, help="timed calls per row (median)")
+    ap.add_argument("--hf", nargs="*", default=list(HF_RUNS), choices=HF_RUNS, help="HF rows")
+    ap.add_argument("--impl", default="transformer_engine", choices=["transformer_engine", "local"])
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--cuda-graph-impl", choices=["local", "none"], default=None,
+                    help="our CUDA graphs (default: on a GPU)")
+    ap.add_argument("--bandwidth-tb-s", type=float, default=4.8, help="memory bandwidth for the bound (H200: 4.8)")
+    ap.add_argument("--out", help="also write the rows and versions here as JSON")
+    a = ap.parse_args(argv)
+    if a.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no GPU here (use --shapes tiny --device cpu --impl local --dtype fp32)")
+    if min(a.requests) < 1 or a.new < 2 or not 1 <= a.min_prompt <= a.max_prompt:
+        ap.error("--requests >= 1, --new >= 2 and 1 <= --min-prompt <= --max-prompt")
+    return a
+
+
+def main(argv: list[str] | None = None) -> dict:
+    import tempfile
+
+    a = parse_args(argv)
+    vocab = min(SHAPES[s]["vocab_size"] for s in a.shapes)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = a.prompts or os.path.join(tmp, "prompts.jsonl")
+        if not os.path.exists(path):
+            write_prompts(path, max(a.requests), a.min_prompt, a.max_prompt, vocab)
+        prompts = read_prompts(path, vocab)
+    if len(prompts) < max(a.requests):
+        raise SystemExit(f"error: {path} has {len(prompts)} prompts, fewer than --requests {max(a.requests)}")
+    info = versions()
+    print(json.dumps(info), flush=True)
+    timer = Timer(a.device, a.repeat)
+    rows = []
+    for shape in a.shapes:
+        rows.extend(run_shape(a, shape, prompts, timer))
+        if a.device == "cuda":  # this shape's models are gone: free their memory for the next
+            gc.collect()
+            torch.cuda.empty_cache()
+    lengths = [len(p) for p in prompts[:max(a.requests)]]
+    print(f"\n{info['date']}, {info['gpu']}, {a.dtype}, --impl {a.impl}, attention: {info['attention']}; prompts "
+          f"{min(lengths)}-{max(lengths)} tokens (mean {sum(lengths) / len(lengths):.0f}), {a.new} new tokens, "
+          f"greedy; torch {info['torch']}, transformers {info.get('transformers')}, megatron-core "
+          f"{info.get('megatron-core')}\n")
+    print(table(rows))
+    result = {"versions": info, "args": vars(a), "rows": rows}
+    print(json.dumps(result))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
 
 
 if __name__ == "__main__":

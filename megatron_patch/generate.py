@@ -1,12 +1,15 @@
 """python -m megatron_patch.generate: offline generation from a Megatron checkpoint (or an HF folder).
 
     python -m megatron_patch.generate --mcore-dir ckpt --prompts prompts.jsonl --out results.jsonl \\
-        [--max-new-tokens 256] [--greedy | --temperature 0.7 --top-k 50 --top-p 0.9] [--seed 1234] \\
-        [--chat] [--stop "\\n\\n"] [--batch-size 8]
+        [--max-new-tokens 256] [--greedy | --temperature 0.7 --top-k 50 | --top-p 0.9] [--seed 1234] \\
+        [--chat] [--stop "\\n\\n"] [--max-requests 256] [--engine auto|static|dynamic] \\
+        [--kv-cache-gb 20] [--cuda-graph-impl local|none]
 
 Prompts: JSONL rows with "prompt" (text), or "messages" (rendered with the tokenizer's chat template and
 a generation prompt, also with --chat for "prompt" rows); without --prompts, one prompt per non-blank
-stdin line. An empty prompt is refused with its line number.
+stdin line. An empty prompt is refused with its line number, an empty file as a whole, and (before the
+model loads) a prompt that does not leave --max-new-tokens of the model's context (max_position_embeddings;
+without --max-new-tokens: 256 new tokens, or fewer where the longest prompt leaves less).
 Output: one JSON row per prompt {"prompt", "generated_text", "generated_tokens", "finish_reason"} to --out
 (written whole at the end, checked writable before the model loads), or to stdout; then a summary line
 (on stdout with --out, else on stderr, so stdout holds only the rows). With one prompt, the text also
@@ -15,8 +18,14 @@ A generation ends at the tokenizer's end-of-document token (finish_reason "eod";
 included), after --max-new-tokens ("length"), or as soon as its text contains one of the --stop strings
 ("stop"): generating that sequence stops there, its last token is the one that completed the stop string,
 and generated_text is exactly the decoding of generated_tokens, so it ends with the stop string (plus
-the rest of that token's text when the stop string ends inside a token). Built on megatron.core.inference
-(static batching with a KV cache); TP/PP > 1 under torchrun.
+the rest of that token's text when the stop string ends inside a token).
+Built on megatron-core's inference engines (--engine). The dynamic one queues every prompt at once and
+runs them with continuous batching, at most --max-requests in flight (a finished request frees its slot
+and KV cache blocks for a waiting one), over a paged KV cache of --kv-cache-gb per GPU (default: what the
+in-flight requests of the longest length need, at most half the GPU memory the weights leave), CUDA graphs
+on a GPU (--cuda-graph-impl). The static one runs fixed batches of --max-requests prompts. auto (the
+default) picks the static engine, whose GPU path is the measured one, and the dynamic one at --pp > 1.
+TP / PP / EP > 1 under torchrun.
 """
 
 from __future__ import annotations
@@ -26,6 +35,8 @@ import json
 import re
 import sys
 import time
+
+DEFAULT_MAX_NEW_TOKENS = 256
 
 
 class _Printer:
@@ -58,25 +69,58 @@ def finish_reason(text: str, tokens: list[int], stop: list[str], max_new_tokens:
     return "length" if len(tokens) >= max_new_tokens else "eod"
 
 
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def run(args) -> dict:
     from megatron_patch.cli import is_first_rank
-    from megatron_patch.inference import check_stop, generate, model_and_tokenizer, read_prompts
     from megatron_patch.conversion.atomic import atomic_output_file, check_output_file
+    from megatron_patch.inference import (
+        check_lengths,
+        check_stop,
+        context_length,
+        context_length_of,
+        generate,
+        model_and_tokenizer,
+        read_prompts,
+    )
 
     stop = [unescape(s) for s in args.stop or []]
     check_stop(stop, "--stop")
+    if args.cuda_graph_impl == "local" and not _cuda_available():
+        raise ValueError("--cuda-graph-impl local needs a GPU")
     if args.out:
         check_output_file(args.out, "--out")
     prompts: list = []
-    model, _, tokenizer = model_and_tokenizer(
-        args, lambda tok: prompts.extend(read_prompts(args.prompts, tok, args.chat)))
+
+    def fit(context: int) -> None:
+        """--max-new-tokens as given must fit the context with every prompt; by default it is 256, or what
+        the longest prompt leaves of the context."""
+        if args.max_new_tokens is None:
+            args.max_new_tokens = max(1, min(DEFAULT_MAX_NEW_TOKENS, context - max(len(p) for p in prompts[1])))
+        check_lengths(prompts[1], args.max_new_tokens, context, "--max-new-tokens")
+
+    def read(tokenizer) -> None:  # before the weights are read
+        prompts.extend(read_prompts(args.prompts, tokenizer, args.chat))
+        context = context_length_of(args.mcore_dir, args.hf_dir)
+        if context is not None:
+            fit(context)
+
+    model, _, tokenizer = model_and_tokenizer(args, read)
+    if args.max_new_tokens is None:  # (no HF config to read before loading)
+        fit(context_length(model))
     texts, prompt_ids = prompts
     start = time.time()
     top_k = 1 if args.greedy else args.top_k
     stream = args.stream if args.stream is not None else len(prompt_ids) == 1 and sys.stderr.isatty()
     printer = _Printer(tokenizer) if stream and is_first_rank() else None
+    graphs = None if args.cuda_graph_impl is None else args.cuda_graph_impl == "local"
     outs = generate(model, tokenizer, prompt_ids, args.max_new_tokens, args.temperature, top_k, args.top_p,
-                    args.seed, args.batch_size, stop_id=tokenizer.eod, on_tokens=printer, stop=stop)
+                    args.seed, args.max_requests, stop_id=tokenizer.eod, on_tokens=printer, stop=stop,
+                    kv_cache_gb=args.kv_cache_gb, cuda_graphs=graphs, engine=args.engine)
     if printer is not None:
         sys.stderr.write("\n")
     seconds = time.time() - start
@@ -98,16 +142,19 @@ def run(args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megatron_patch.cli import HelpFormatter, positive_int
+    from megatron_patch.cli import HelpFormatter, positive_float, positive_int
     from megatron_patch.cli import run as run_tool
-    from megatron_patch.inference import add_model_args
+    from megatron_patch.inference import ENGINES, add_model_args
 
     p = argparse.ArgumentParser(prog="python -m megatron_patch.generate", description=__doc__,
                                 formatter_class=HelpFormatter)
     add_model_args(p)
     p.add_argument("--prompts", help="JSONL prompts (default: one per stdin line)")
-    p.add_argument("--out", help="JSONL results, written whole at the end (default: stdout, the summary then on stderr)")
-    p.add_argument("--max-new-tokens", type=positive_int, default=256, metavar="N", help="longest generation")
+    p.add_argument("--out",
+                   help="JSONL results, written whole at the end (default: stdout, the summary then on stderr)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=None, metavar="N",
+                   help=f"longest generation (default: {DEFAULT_MAX_NEW_TOKENS}, or what the longest prompt leaves of "
+                   "the model's context; a value given must fit the context with every prompt)")
     p.add_argument("--greedy", action="store_true", help="argmax decoding (same as --top-k 1)")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: all)")
@@ -117,7 +164,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stop", nargs="*", help="end a generation as soon as its text contains one of these strings "
                    "(kept in generated_text; its last token is the one that completed the string); \\n, \\t, \\r "
                    "and \\\\ in them are a newline, tab, carriage return and backslash")
-    p.add_argument("--batch-size", type=positive_int, default=8, metavar="N", help="prompts generated together")
+    p.add_argument("--engine", choices=ENGINES, default="auto",
+                   help="megatron-core's inference engine: dynamic (continuous batching, paged KV cache, CUDA "
+                   "graphs on a GPU; TP/PP/EP; not ALiBi or multi-latent attention), static (fixed batches; "
+                   "TP/EP, not PP), auto: static, dynamic at --pp > 1")
+    p.add_argument("--max-requests", "--inference-max-requests", "--batch-size", dest="max_requests",
+                   type=positive_int, default=None, metavar="N",
+                   help="requests generated together: in flight at once on the dynamic engine (a finished "
+                   "request's slot goes to a waiting one; default 256 on a GPU, 8 on a CPU, at most the number "
+                   "of prompts, rounded up to a multiple of --tp), the batch size of the static one (default 8)")
+    p.add_argument("--kv-cache-gb", "--inference-dynamic-batching-buffer-size-gb", dest="kv_cache_gb",
+                   type=positive_float, default=None, metavar="GB",
+                   help="dynamic engine: KV cache memory per GPU, GiB (default: what --max-requests requests of "
+                   "the longest length need, at most half the GPU memory the weights leave)")
+    p.add_argument("--cuda-graph-impl", choices=("local", "none"), default=None,
+                   help="dynamic engine: local captures megatron-core's inference CUDA graphs (block scope); "
+                   "none: eager (default: local on a GPU at --pp 1 and --ep 1, else none)")
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
                    help="print the text to stderr as it is generated (default: on for one prompt on a terminal)")
     args = p.parse_args(argv)

@@ -15,7 +15,8 @@ lm-eval's CLI with the same arguments.
 The model is this package's inference path: a Megatron checkpoint as stored (`mcore_dir=`, any stored
 layout, loaded at `tp`/`pp`/`ep`) or an HF folder converted in memory (`hf_dir=`); `loglikelihood` and
 `loglikelihood_rolling` score with `megatron_patch.conversion.verify.megatron_logits` (full-vocab logits at
-any TP x PP), `generate_until` runs `megatron_patch.inference.generate` (megatron.core.inference; PP = 1).
+any TP x PP), `generate_until` runs `megatron_patch.inference.generate` (megatron-core's dynamic inference
+engine, any TP x PP).
 Text is encoded exactly as lm-eval's `hf` model encodes it (the checkpoint's HF tokenizer, the same
 context / continuation split, BOS rule, left truncation, rolling windows and stop-string cutting), so on
 the same weights the two report the same scores. Under torchrun every process of a model replica runs the
@@ -95,7 +96,6 @@ class MegatronLM(TemplateLM):
         if impl not in (None, "local", "transformer_engine"):
             raise ValueError(f"model_args impl={impl!r}: expected local or transformer_engine")
         tp, pp, ep = _int_arg("tp", tp), _int_arg("pp", pp), _int_arg("ep", ep)
-        self._pp = pp
         self.batch_size_per_gpu = _int_arg("batch_size", batch_size)
         self._max_gen_toks = _int_arg("max_gen_toks", max_gen_toks)
         self.seed = _int_arg("seed", seed, minimum=0)
@@ -268,14 +268,15 @@ class MegatronLM(TemplateLM):
             for (request, context, continuation), scored in zip(chunk, scored_all):
                 scored = scored.unsqueeze(0)  # [1, continuation, vocab]
                 greedy = scored.argmax(dim=-1)
-                for request, cont, scored in order.get_cache(req_str=request, cxt_toks=context,
-                                                             cont_toks=continuation, logits=scored):
+                # the requests that share this pass (all but their last continuation token)
+                for shared, cont, logits in order.get_cache(req_str=request, cxt_toks=context,
+                                                            cont_toks=continuation, logits=scored):
                     cont = torch.tensor(cont, dtype=torch.long).unsqueeze(0)
                     is_greedy = bool((greedy[:, -cont.shape[1]:] == cont).all())
-                    answer = (float(scored.gather(2, cont.unsqueeze(-1)).sum()), is_greedy)
+                    answer = (float(logits.gather(2, cont.unsqueeze(-1)).sum()), is_greedy)
                     res.append(answer)
-                    if request is not None:  # rolling windows are cached per document instead
-                        self.cache_hook.add_partial("loglikelihood", request, answer)
+                    if shared is not None:  # rolling windows are cached per document instead
+                        self.cache_hook.add_partial("loglikelihood", shared, answer)
                     bar.update(1)
         bar.close()
         return order.get_original(res)
@@ -316,20 +317,20 @@ class MegatronLM(TemplateLM):
         return [self.tokenizer.encode(c, **special)[-max_ctx_len:] for c in contexts]
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        """Greedy (do_sample false / temperature 0) or sampled continuations from megatron.core.inference,
-        up to `max_gen_toks` tokens or the end-of-text token, cut at the first `until` string."""
-        from lm_eval.models.utils import Collator, handle_stop_sequences, normalize_gen_kwargs, \
-            postprocess_generated_text
+        """Greedy (do_sample false / temperature 0) or sampled continuations from megatron-core's dynamic
+        inference engine (one call per lm-eval batch; the engine is built once and reused), up to
+        `max_gen_toks` tokens or the end-of-text token, cut at the first `until` string."""
+        from lm_eval.models.utils import (
+            Collator,
+            handle_stop_sequences,
+            normalize_gen_kwargs,
+            postprocess_generated_text,
+        )
         from tqdm import tqdm
 
         from megatron_patch.cli import is_first_rank
         from megatron_patch.inference import generate
 
-        if self._pp > 1:
-            # megatron-core 0.19.2's static engine asserts [batch, 1, vocab] logits on the last pipeline
-            # stage, where GPTModel returns the whole prompt's (text_generation_controller.py)
-            raise ValueError("generate_until tasks need pp=1: megatron_patch.inference.generate does not run "
-                             "pipeline-parallel models yet (any tp works)")
         res: list[str] = []
         order = Collator([req.args for req in requests], sort_fn=lambda r: (-len(self.tok_encode(r[0])), r[0]),
                          group_by="gen_kwargs", group_fn=lambda r: r[1])

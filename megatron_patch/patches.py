@@ -103,6 +103,42 @@ class _NoTimingEvent:
         return 0.0
 
 
+class _DummyStream:
+    """A CUDA stream with nothing to wait for (the CPU runs in order)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait_stream(self, _stream) -> None:
+        pass
+
+    def wait_event(self, _event) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return event or _NoTimingEvent()
+
+
+def _swap(targets: list[tuple[object, str, object]]) -> Callable[[], None]:
+    """Set each (owner, attribute, value); returns the undo."""
+    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in targets]
+    for owner, name, value in targets:
+        setattr(owner, name, value)
+
+    def undo() -> None:
+        for owner, name, value in reversed(originals):
+            setattr(owner, name, value)
+
+    return undo
+
+
+def _exists(tensor) -> None:
+    assert tensor is not None
+
+
 def _is_cuda(dev) -> bool:
     return dev is not None and not isinstance(dev, int) and str(dev).startswith("cuda")
 
@@ -110,15 +146,19 @@ def _is_cuda(dev) -> bool:
 class CudaTensorsOnCpu(TorchFunctionMode):
     """Tensors megatron-core puts on "cuda" stay on the CPU: `.cuda()`, `.to("cuda")` and
     `device="cuda"` (the inference controller's token buffers, the pipeline schedules' counters, the
-    tied output weight before its all-reduce). `report_cuda_types`: `Tensor.type()` answers
-    torch.cuda.* (megatron.training's optimizer checks it; set by the CPU test harness)."""
+    tied output weight before its all-reduce); pinned host memory (`pin_memory=True`, `.pin_memory()`:
+    the dynamic inference context's bookkeeping, staged there for fast copies to the GPU) is plain
+    memory. `report_cuda_types`: `Tensor.type()` answers torch.cuda.* (megatron.training's optimizer
+    checks it; set by the CPU test harness)."""
 
     report_cuda_types = False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.Tensor.cuda:
+        if func is torch.Tensor.cuda or func is torch.Tensor.pin_memory:
             return args[0]
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
         if func is torch.Tensor.type and self.report_cuda_types and len(args) == 1 and not kwargs:
             return func(*args).replace("torch.", "torch.cuda.", 1)
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
@@ -156,24 +196,40 @@ def _cpu_cuda_calls() -> Callable[[], None] | None:
       generation step with `torch.cuda.Event(enable_timing=True)`: a no-op event stands in; and it
       moves its token buffers with `.cuda()`: `CudaTensorsOnCpu` (a torch function mode, entered for
       as long as the patch is active) keeps every tensor megatron-core sends to "cuda" on the CPU.
+    - The dynamic inference engine (`inference/engines/dynamic_engine.py`, `DynamicInferenceContext`
+      in `inference/contexts/dynamic_context.py`, the controller's `_init_dynamic_sampling_tensors`):
+      the context pins its bookkeeping tensors (`pin_memory=True`, which needs a CUDA driver; plain
+      memory here, through `CudaTensorsOnCpu`) and marks their copies with `torch.cuda.Event()` (the
+      no-op event); the controller creates a copy stream, `torch.cuda.Stream(device=...)`: a stream
+      with nothing to wait for; the context appends keys and values to its paged KV cache with a
+      Triton kernel when Triton is importable (`triton_append_key_value_cache`, GPU-only): the name
+      the context calls is set to None, which selects its own indexing path.
+    - `megatron/core/inference/communication_utils.py` (`broadcast_from_last_pipeline_stage`, the
+      engine's logits at PP > 1) asserts the broadcast tensor `is_cuda` (`_is_cuda`): here it only has
+      to exist.
     Does nothing when CUDA is available."""
     if torch.cuda.is_available():
         return None
     from megatron.core.fusions import fused_softmax
+    from megatron.core.inference import communication_utils
+    from megatron.core.inference.contexts import dynamic_context
 
-    originals = (torch.cuda.current_device, torch.cuda.synchronize, fused_softmax.get_sliding_window_causal_mask,
-                 torch.cuda.Event)
-    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
-    torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
-    fused_softmax.get_sliding_window_causal_mask = _sliding_window_mask_on_cpu
-    torch.cuda.Event = _NoTimingEvent  # type: ignore[assignment,misc]
+    undo_swaps = _swap([
+        (torch.cuda, "current_device", lambda: "cpu"),
+        (torch.cuda, "synchronize", lambda device=None: None),
+        (fused_softmax, "get_sliding_window_causal_mask", _sliding_window_mask_on_cpu),
+        (torch.cuda, "Event", _NoTimingEvent),
+        (torch.cuda, "Stream", _DummyStream),
+        (communication_utils, "_is_cuda", _exists),
+        *([(dynamic_context, "triton_append_key_value_cache", None)]
+          if hasattr(dynamic_context, "triton_append_key_value_cache") else []),
+    ])
     mode = CudaTensorsOnCpu()
     mode.__enter__()
 
     def undo() -> None:
         mode.__exit__(None, None, None)
-        (torch.cuda.current_device, torch.cuda.synchronize, fused_softmax.get_sliding_window_causal_mask,
-         torch.cuda.Event) = originals
+        undo_swaps()
 
     return undo
 
@@ -205,25 +261,6 @@ def _prebuilt_dataset_helpers() -> Callable[[], None] | None:
     return undo
 
 
-class _DummyStream:
-    """A CUDA stream with nothing to wait for (the CPU runs in order)."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-    def wait_stream(self, _stream) -> None:
-        pass
-
-    def wait_event(self, _event) -> None:
-        pass
-
-    def record_event(self, event=None):
-        return event or _NoTimingEvent()
-
-
 class _StandInCudaRng:
     """The "CUDA" generator state of a machine without one: a CPU generator state kept apart, so forking
     it (the tensor-parallel RNG tracker) never moves the CPU generator that CPU initialisation draws from."""
@@ -242,19 +279,6 @@ class _StandInCudaRng:
 
 
 _CUDA_RNG = _StandInCudaRng()
-
-
-def _swap(targets: list[tuple[object, str, object]]) -> Callable[[], None]:
-    """Set each (owner, attribute, value); returns the undo."""
-    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in targets]
-    for owner, name, value in targets:
-        setattr(owner, name, value)
-
-    def undo() -> None:
-        for owner, name, value in reversed(originals):
-            setattr(owner, name, value)
-
-    return undo
 
 
 @register("cpu_parallel_state", ">=0.17,<0.20")
@@ -343,3 +367,96 @@ def _cpu_training() -> Callable[[], None] | None:
             revert(name)
 
     return undo
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, kv_len: torch.Tensor,
+            scale: float, window: tuple[int, int] | None, sink: torch.Tensor | None) -> torch.Tensor:
+    """Causal attention of queries [n, s, h, d] at positions `q_pos` [n, s] over keys / values
+    [n, L, hk, d] of which the first `kv_len` [n] are real: key j is seen by a query at position i when
+    j <= i, j < kv_len and, with a sliding `window` (left, right), j >= i - left. Grouped queries: head
+    g * (h / hk) + r reads KV head g (megatron-core's layout), without copying K and V per head.
+    softmax(q k^T * scale) v with the softmax in fp32 (products in the inputs' dtype, as flash-attn);
+    a per-head `sink` logit [h] joins each softmax's denominator (megatron-core's off-by-one / learnable
+    softmax). Keys past `kv_len` may be any bits (unwritten cache): they are masked and their values
+    zeroed. A query that sees nothing gets 0."""
+    n, s, h, d = q.shape
+    hk = k.shape[2]
+    k_pos = torch.arange(k.shape[1], device=q.device)
+    real = k_pos[None, :] < kv_len[:, None]  # [n, L]
+    seen = (k_pos[None, None, :] <= q_pos[:, :, None]) & real[:, None, :]  # [n, s, L]
+    if window is not None and window[0] >= 0:
+        seen &= k_pos[None, None, :] >= q_pos[:, :, None] - window[0]
+    groups = q.reshape(n, s, hk, h // hk, d)
+    scores = torch.einsum("nskgd,nlkd->nkgsl", groups, k).float() * scale
+    scores = scores.masked_fill(~seen[:, None, None], float("-inf"))
+    if sink is not None:
+        logits = sink.float().view(hk, h // hk)[None, :, :, None, None].expand(n, hk, h // hk, s, 1)
+        scores = torch.cat([scores, logits], dim=-1)
+    probs = torch.softmax(scores, dim=-1)
+    if sink is not None:
+        probs = probs[..., :-1]
+    probs = torch.nan_to_num(probs, nan=0.0).to(v.dtype)  # (rows that see no key: padding)
+    values = v.masked_fill(~real[:, :, None, None], 0.0)
+    return torch.einsum("nkgsl,nlkd->nskgd", probs, values).reshape(n, s, h, d)
+
+
+def _paged_attention_in_torch(self, q, k, v, max_seqlen_q, max_seqlen_k, cu_seqlens_q, cu_seqlens_k, seqlens_k,
+                              block_table, is_decode_only, softmax_offset=None):
+    """`Attention.flash_decode_and_prefill` of megatron-core 0.19 (same arguments and result) in torch:
+    queries q [tokens, 1, heads, dim] of the active requests, laid out request after request
+    (`cu_seqlens_q`), over the paged KV cache k / v [blocks, block_size, kv heads, dim] through
+    `block_table` [requests, blocks per request]; `seqlens_k` [requests]: each request's cached length,
+    its new tokens included (they are its last `query length` positions). Decode-only steps (one query
+    per request, or several with speculative tokens) run as one batched gather with fixed shapes (no
+    host synchronisation: CUDA-graph capturable); other steps attend request by request."""
+    from megatron.core.transformer.utils import is_layer_window_attention
+
+    window = (self.config.window_size if is_layer_window_attention(
+        self.config.window_size, self.config.window_attn_skip_freq, self.layer_number) else None)
+    scale = getattr(self, "softmax_scale", None) or q.shape[-1] ** -0.5
+    if is_decode_only:
+        n = seqlens_k.shape[0]
+        s = q.shape[0] // n
+        keys, values = k[block_table].flatten(1, 2), v[block_table].flatten(1, 2)  # [n, blocks * size, hk, d]
+        q_pos = seqlens_k[:, None] - s + torch.arange(s, device=q.device)[None, :]
+        out = _attend(q.reshape(n, s, *q.shape[2:]), keys, values, q_pos, seqlens_k, scale, window, softmax_offset)
+        return out.reshape(n * s, 1, *out.shape[2:])
+    q = q.squeeze(1)
+    out = torch.zeros_like(q)  # padding tokens past the last request stay 0
+    starts, lengths = cu_seqlens_q.tolist(), seqlens_k.tolist()
+    block_size = k.shape[1]
+    for r, kv_len in enumerate(lengths):
+        first, last = starts[r], starts[r + 1]
+        if last == first:
+            continue
+        blocks = block_table[r, : -(-kv_len // block_size)]
+        keys = k[blocks].flatten(0, 1)[None, :kv_len]
+        values = v[blocks].flatten(0, 1)[None, :kv_len]
+        q_pos = (kv_len - (last - first) + torch.arange(last - first, device=q.device))[None]
+        out[first:last] = _attend(q[None, first:last], keys, values, q_pos, seqlens_k[r: r + 1], scale, window,
+                                  softmax_offset)[0]
+    return out.unsqueeze(1)
+
+
+@register("paged_attention_in_torch", ">=0.19,<0.20")
+def _paged_attention_in_torch_patch() -> Callable[[], None] | None:
+    """Run megatron-core's dynamic inference engine without flash-attn (every CPU machine; a GPU where
+    the flash-attn package is not installed).
+
+    `megatron/core/transformer/attention.py` (`Attention.forward`, dynamic batching) asserts that
+    flash-attn >= 2.7.3 (or FlashAttention 3 / 4) is installed and attends through its paged-KV kernels
+    in `Attention.flash_decode_and_prefill` (`flash_attn_varlen_func` for prefill,
+    `flash_attn_with_kvcache` for decode, both GPU-only). Here `flash_decode_and_prefill` is a torch
+    implementation of the same function (`_paged_attention_in_torch`: same arguments and output, exact
+    fp32 softmax(q k^T * scale) v, grouped queries, sliding windows, sink logits) and the version check
+    (`is_fa_min_version` as attention.py names it) passes. Multi-latent attention with cached latents
+    (FlashMLA) is not covered. On a GPU it is a correctness fallback, not a fast path: install
+    flash-attn there for speed. Does nothing when a flash-attn kernel is importable."""
+    from megatron.core.transformer import attention
+
+    if attention.HAVE_FA3 or attention.HAVE_FA4 or attention.flash_attn_varlen_func is not None:
+        return None
+    return _swap([
+        (attention.Attention, "flash_decode_and_prefill", _paged_attention_in_torch),
+        (attention, "is_fa_min_version", lambda version, check_equality=True: True),
+    ])

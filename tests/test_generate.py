@@ -1,8 +1,10 @@
-"""python -m megatron_patch.generate on CPU: greedy continuations of a batch of prompts with different
-lengths equal transformers' `generate` token for token (from a converted TP2xPP2 checkpoint, run at TP=1
-and at TP=2); sampling with a fixed seed is reproducible; --stop ends generating (not only the text);
-bad input (empty prompts, an unwritable --out) is refused before the model loads; --out is written whole;
-without --out, stdout holds only the rows."""
+"""python -m megatron_patch.generate on CPU (megatron-core's dynamic inference engine, eager, the torch
+paged attention of `paged_attention_in_torch`): greedy continuations of prompts with different lengths
+equal transformers' `generate` token for token (from a converted TP2xPP2 checkpoint, run at TP=1, TP=2 and
+PP=2); continuous batching frees a finished request's slot for a waiting one; sampling with a fixed seed
+is reproducible; --stop ends generating (not only the text); bad input (empty prompts or file, a prompt
+too long for the context, a KV budget too small, an unwritable --out) is refused with one error line;
+--out is written whole; without --out, stdout holds only the rows."""
 
 import importlib.util
 import io
@@ -36,14 +38,15 @@ def _rows(path):
     return [json.loads(line) for line in open(path)]
 
 
-def test_greedy_equals_transformers_generate(setup, capsys):
+@pytest.mark.parametrize("engine", ["static", "dynamic"])
+def test_greedy_equals_transformers_generate(setup, capsys, engine):
     from megatron_patch.generate import main
     from megatron_patch.tokenizer import build_tokenizer
 
     root, hf, mc = setup
-    out = root / "greedy.jsonl"
+    out = root / f"greedy_{engine}.jsonl"
     assert main(["--mcore-dir", mc, "--prompts", str(root / "prompts.jsonl"), "--out", str(out), "--greedy",
-                 "--max-new-tokens", "12"]) == 0
+                 "--max-new-tokens", "12", "--engine", engine]) == 0
     tok = build_tokenizer(TINY_TOKENIZER)
     for row, prompt in zip(_rows(out), PROMPTS):
         ids = tok.tokenize(prompt)
@@ -113,30 +116,36 @@ def test_bad_input(setup, tmp_path, capsys):
     assert "tokenizer has 1000 tokens but the model's vocab_size is 500" in capsys.readouterr().err
 
 
-def _generate_tp2(rank: int, mc: str) -> list[list[int]]:
+def _generate_tp2_and_pp2(rank: int, mc: str) -> dict[str, list[list[int]]]:
     from megatron_patch.inference import generate, load_model
     from megatron_patch.tokenizer import build_tokenizer
     from tests import _cpu
 
-    _cpu.init_model_parallel(2, 1)
-    model, _ = load_model(mc, None, 2, 1)
     tok = build_tokenizer(TINY_TOKENIZER)
-    return generate(model, tok, [tok.tokenize(p) for p in PROMPTS], 12, top_k=1, stop_id=tok.eod)
+    out = {}
+    for tp, pp in ((2, 1), (1, 2)):
+        _cpu.init_model_parallel(tp, pp)
+        model, _ = load_model(mc, None, tp, pp)
+        out[f"tp{tp}pp{pp}"] = generate(model, tok, [tok.tokenize(p) for p in PROMPTS], 12, top_k=1, stop_id=tok.eod,
+                                        max_batch_size=2)
+    return out
 
 
-def test_greedy_at_tp2_equals_transformers(setup):
-    """The same batch at TP=2 (two gloo processes, the checkpoint's TP2 x PP2 resharded to TP2 x PP1)."""
+def test_greedy_at_tp2_and_pp2_equals_transformers(setup):
+    """The same prompts at TP=2 and at PP=2 (two gloo processes, the checkpoint's TP2 x PP2 resharded),
+    two in flight: megatron-core's dynamic engine runs pipeline stages (the last broadcasts the logits)."""
     from megatron_patch.tokenizer import build_tokenizer
     from tests import _cpu
 
     root, hf, mc = setup
     tok = build_tokenizer(TINY_TOKENIZER)
-    per_rank = _cpu.run_world(2, _generate_tp2, mc)
+    per_rank = _cpu.run_world(2, _generate_tp2_and_pp2, mc)
     for i, prompt in enumerate(PROMPTS):
         ids = tok.tokenize(prompt)
         ref = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=tok.eod,
                           pad_token_id=tok.pad)[0, len(ids):].tolist()
-        assert per_rank[0][i] == per_rank[1][i] == ref
+        for layout in ("tp2pp1", "tp1pp2"):
+            assert per_rank[0][layout][i] == per_rank[1][layout][i] == ref, layout
 
 
 def test_single_prompt_streams_to_terminal(setup, tmp_path, capsys):
@@ -160,6 +169,16 @@ def test_single_prompt_streams_to_terminal(setup, tmp_path, capsys):
     assert [len(t) for _, t in seen] == list(range(1, len(out[0]) + 1)) and seen[-1] == (0, out[0])
 
 
+class _EodIs:
+    """The tiny tokenizer with another end-of-document token."""
+
+    def __init__(self, tokenizer, eod):
+        self.tokenizer, self.eod = tokenizer, eod
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+
 def _model_never_loads(*args, **kwargs):
     raise RuntimeError("the model was loaded")
 
@@ -172,7 +191,8 @@ def _cut_at_stop(tok, tokens: list[int], stop: list[str], max_new: int) -> tuple
     return tokens, "length" if len(tokens) == max_new else "eod"
 
 
-def test_stop_string_ends_generation_at_the_completing_token(setup, tmp_path):
+@pytest.mark.parametrize("engine", ["static", "dynamic"])
+def test_stop_string_ends_generation_at_the_completing_token(setup, tmp_path, engine):
     """A stop string that ends inside a token: that sequence's last token is the one completing it,
     generated_text is exactly the decoding of generated_tokens (so it ends with the stop string plus the
     rest of that token), the other sequences of the batch run on unchanged, and the model is run only
@@ -185,7 +205,7 @@ def test_stop_string_ends_generation_at_the_completing_token(setup, tmp_path):
     tok = build_tokenizer(TINY_TOKENIZER)
     model, _ = load_model(mc, None)
     ids = [tok.tokenize(p) for p in PROMPTS]
-    full = generate(model, tok, ids, 12, top_k=1, stop_id=tok.eod)
+    full = generate(model, tok, ids, 12, top_k=1, stop_id=tok.eod, engine=engine)
     # a stop string for prompt 0: the last character before token k and the first of token k's text
     for k in range(1, len(full[0]) - 1):
         before, text = tok.detokenize(full[0][:k]), tok.detokenize(full[0][:k + 1])
@@ -199,7 +219,7 @@ def test_stop_string_ends_generation_at_the_completing_token(setup, tmp_path):
     calls = []
     hook = model.register_forward_hook(lambda *a: calls.append(1))
     try:
-        one = generate(model, tok, [ids[0]], 12, top_k=1, stop_id=tok.eod, stop=[stop])
+        one = generate(model, tok, [ids[0]], 12, top_k=1, stop_id=tok.eod, stop=[stop], engine=engine)
     finally:
         hook.remove()
     assert one == [full[0][:k + 1]] and len(calls) == k + 1 < 12
@@ -209,7 +229,7 @@ def test_stop_string_ends_generation_at_the_completing_token(setup, tmp_path):
     assert several not in tok.detokenize(full[0]) and several not in tok.detokenize(full[2][:4])
     out = tmp_path / "stop.jsonl"
     assert main(["--mcore-dir", mc, "--prompts", str(root / "prompts.jsonl"), "--out", str(out), "--greedy",
-                 "--max-new-tokens", "12", "--stop", stop, several]) == 0
+                 "--max-new-tokens", "12", "--stop", stop, several, "--engine", engine]) == 0
     rows = _rows(out)
     assert rows[2]["generated_tokens"] == full[2][:5] and rows[2]["finish_reason"] == "stop"
     for row, tokens in zip(rows, full):
@@ -318,14 +338,7 @@ def test_generation_ends_before_eod(setup):
     eod = full[4]
     assert eod not in full[:4]
 
-    class EodIs:
-        def __init__(self, tokenizer, eod):
-            self.tokenizer, self.eod = tokenizer, eod
-
-        def __getattr__(self, name):
-            return getattr(self.tokenizer, name)
-
-    other = EodIs(tok, eod)
+    other = _EodIs(tok, eod)
     out = generate(model, other, [tok.tokenize(PROMPTS[2])], 12, top_k=1, stop_id=eod)[0]
     assert out == full[:4]
     assert finish_reason(tok.detokenize(out), out, [], 12) == "eod"
@@ -338,3 +351,131 @@ def test_stop_strings_take_the_escapes_a_shell_passes_through():
 
     assert unescape("\\n\\n") == "\n\n" and unescape("a\\tb\\r") == "a\tb\r"
     assert unescape("\\\\n") == "\\n" and unescape("C:\\x") == "C:\\x" and unescape("plain") == "plain"
+
+
+MORE = PROMPTS + ["Errors detected during execution are called exceptions", "x = [1, 2", "import os"]
+
+
+def test_continuous_batching_frees_slots_as_requests_finish(setup):
+    """Six prompts of different lengths, at most two in flight, with an end token that ends some early:
+    every request's tokens equal transformers' `generate` alone with that end token (and one-at-a-time
+    generation), never more than two requests run in a step, and a waiting request starts in the step
+    after a slot frees, while the other slot's request is still running (continuous, not fixed batches)."""
+    from megatron_patch.inference import generate, load_model
+    from megatron_patch.tokenizer import build_tokenizer
+
+    root, hf, mc = setup
+    tok = build_tokenizer(TINY_TOKENIZER)
+    model, _ = load_model(mc, None)
+    ids = [tok.tokenize(p) for p in MORE]
+    full = generate(model, tok, [ids[0]], 12, top_k=1, engine="dynamic")[0]
+    k = next(k for k in range(2, 12) if full[k] not in full[:k])
+    eod = full[k]  # request 0 ends after k tokens
+    ends = _EodIs(tok, eod)
+    steps, grew = [0], {}
+    hook = model.register_forward_pre_hook(lambda *a: steps.__setitem__(0, steps[0] + 1))
+    try:
+        out = generate(model, ends, ids, 12, top_k=1, stop_id=eod, max_batch_size=2, engine="dynamic",
+                       on_tokens=lambda i, t: grew.setdefault(steps[0], set()).add(i))
+    finally:
+        hook.remove()
+    for prompt, mine in zip(ids, out):
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=eod,
+                          pad_token_id=tok.pad)[0, len(prompt):].tolist()
+        assert mine == (ref[:-1] if ref[-1] == eod else ref)
+    assert out == [generate(model, ends, [p], 12, top_k=1, stop_id=eod, max_batch_size=1, engine="dynamic")[0]
+                   for p in ids]
+    assert len(out[0]) == k < len(out[1]) and max(len(g) for g in grew.values()) == 2
+    first = {i: min(s for s, g in grew.items() if i in g) for i in range(len(ids))}
+    last = {i: max(s for s, g in grew.items() if i in g) for i in range(len(ids))}
+    # request 0 grows in steps 1..k and samples its end token in step k + 1; request 2 takes its slot in
+    # the next step, while request 1 still runs
+    assert first[0] == first[1] == 1 and last[0] == k and first[2] == k + 2 < last[1]
+
+
+def test_kv_budget_and_context_are_checked(setup, tmp_path, capsys, monkeypatch):
+    """Refused with one `error:` line, nothing written: a prompt that leaves less than --max-new-tokens of
+    the model's context (before the model loads), an empty prompt file (likewise), a KV cache budget
+    that cannot hold the longest request (before any generation). The library refuses the same."""
+    from megatron_patch.generate import main
+    from megatron_patch.inference import generate, load_model
+    from megatron_patch.tokenizer import build_tokenizer
+
+    root, _, mc = setup
+    tok = build_tokenizer(TINY_TOKENIZER)
+    n = len(tok.tokenize(PROMPTS[1]))  # the longest
+    out = tmp_path / "o.jsonl"
+    argv = ["--mcore-dir", mc, "--prompts", str(root / "prompts.jsonl"), "--out", str(out)]
+    assert main([*argv, "--max-new-tokens", "4", "--kv-cache-gb", "1e-6", "--engine", "dynamic"]) == 1
+    err = capsys.readouterr().err
+    assert (f"error: the KV cache budget of 1e-06 GiB (--kv-cache-gb) holds 0 tokens; the longest request needs "
+            f"{n + 4} ({n} prompt + 4 new tokens), in blocks of 256 tokens" in err), err
+    with monkeypatch.context() as m:
+        m.setattr("megatron_patch.inference.load_model", _model_never_loads)
+        assert main([*argv, "--max-new-tokens", "250"]) == 1
+        assert (f"error: prompt 2 has {n} tokens: with --max-new-tokens 250 it needs {n + 250}, more than the "
+                "model's context of 256 tokens" in capsys.readouterr().err)
+        empty = tmp_path / "empty.jsonl"
+        empty.write_text("\n")
+        assert main(["--mcore-dir", mc, "--prompts", str(empty), "--out", str(out)]) == 1
+        assert f"error: no prompts in {empty}" in capsys.readouterr().err
+    assert not out.exists()
+    model, _ = load_model(mc, None)
+    with pytest.raises(ValueError, match="more than the model's context of 256"):
+        generate(model, tok, [tok.tokenize(PROMPTS[0])], 254)
+    with pytest.raises(ValueError, match="budget of 1e-06 GiB .* holds 0 tokens"):
+        generate(model, tok, [tok.tokenize(PROMPTS[0])], 4, kv_cache_gb=1e-6, engine="dynamic")
+    with pytest.raises(ValueError, match="one of the two filters"):
+        generate(model, tok, [tok.tokenize(PROMPTS[0])], 4, top_k=5, top_p=0.9)
+
+
+def test_engine_is_kept_between_calls_and_inference_mode_cleared(setup):
+    """The engine (KV cache, graphs on a GPU) is built once for calls that fit it and rebuilt for one that
+    does not; after a call megatron-core's process-wide InferenceMode is off again, so plain forward
+    passes of the same model (scoring, training) still run."""
+    from megatron.core.inference.utils import InferenceMode
+
+    from megatron_patch import inference
+    from megatron_patch.conversion.verify import megatron_logits
+    from megatron_patch.tokenizer import build_tokenizer
+
+    *_, mc = setup
+    tok = build_tokenizer(TINY_TOKENIZER)
+    model, _ = inference.load_model(mc, None)
+    ids = [tok.tokenize(p) for p in PROMPTS]
+    first = inference.generate(model, tok, ids, 6, top_k=1, engine="dynamic")
+    engine = inference._Engines.engine
+    assert inference.generate(model, tok, ids[:2], 4, top_k=1, engine="dynamic") == [t[:4] for t in first[:2]]
+    assert inference._Engines.engine is engine and not InferenceMode.is_active()
+    assert inference.generate(model, tok, ids, 12, top_k=1, engine="dynamic")[0][:6] == first[0]  # a new engine
+    assert inference._Engines.engine is not engine
+    megatron_logits(model, torch.tensor([ids[0]]), 1000)
+    inference.release_engine()
+    assert inference._Engines.engine is None
+
+
+@pytest.mark.parametrize("variant, why", [("bloom", "ALiBi attention"), ("deepseek_v3", "multi-latent attention")])
+def test_attention_the_dynamic_engine_lacks_runs_on_the_static_one(variant, why, cpu_megatron):
+    """megatron-core's dynamic engine attends through its own paged kernel, not the layer's core
+    attention: ALiBi (Bloom) would silently lose its position bias and multi-latent attention needs
+    FlashMLA. Asked for, it says so; the default engine generates these families on the static path,
+    greedy = transformers' generate."""
+    from megatron_patch.conversion.engine import hf_to_megatron, load_rank_state_dict, make_plan
+    from megatron_patch.inference import generate
+    from megatron_patch.models import build_model
+    from megatron_patch.tokenizer import build_tokenizer
+    from tests.models import case
+
+    c = case(variant)
+    model = build_model(c.cfg).eval()
+    load_rank_state_dict(model, hf_to_megatron(make_plan(c.cfg), c.sd.__getitem__, c.sd.keys())[(0, 0, 0)])
+    tok = build_tokenizer(TINY_TOKENIZER)
+    with pytest.raises(ValueError, match=f"does not support {why} .*: use the static one"):
+        generate(model, tok, [[5, 6]], 2, engine="dynamic")
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13, 14]]
+    ours = generate(model, tok, prompts, 8, top_k=1)
+    for prompt, mine in zip(prompts, ours):
+        with torch.no_grad():
+            ref = c.ref.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                                 pad_token_id=0)[0, len(prompt):].tolist()
+        assert mine == ref, (variant, mine, ref)

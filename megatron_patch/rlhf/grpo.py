@@ -5,10 +5,12 @@
     torchrun --nproc-per-node 2 -m megatron_patch.rlhf.grpo ... --tp 2            # tensor parallel
 
 Each step: `--prompts-per-step` prompts (JSONL `prompt` text or chat `messages`, cycled) are each sampled
-`--group-size` times with megatron.core.inference on the policy itself (`megatron_patch.inference.generate`,
-temperature `--temperature`); a reward per completion comes from a Python function (`--reward
-module:function`, called as fn(prompt, completion) -> float); advantages are the rewards normalised within
-each prompt's group ((r - mean) / (std + 1e-4)); then `--epochs` passes of the clipped policy loss
+`--group-size` times on the policy itself, all of them in one call of megatron-core's dynamic inference
+engine (`megatron_patch.inference.generate`: continuous batching, CUDA graphs on a GPU; the engine is kept
+for the next step while its sizes fit), temperature `--temperature`; a reward per completion comes from a
+Python function (`--reward module:function`, called as fn(prompt, completion) -> float); advantages are the
+rewards normalised within each prompt's group ((r - mean) / (std + 1e-4)); then `--epochs` passes of the
+clipped policy loss
 
     -min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A) + kl_coef * KL(policy || reference)
 
@@ -134,12 +136,11 @@ def rewards_of(reward_fn: Callable[[str, str], float], spec: str, texts: list[st
 
 
 def train(args) -> dict:
-    from megatron_patch.inference import read_prompts
-    from megatron_patch.inference import generate, load_model
-    from megatron_patch.tokenizer import build_tokenizer
     from megatron_patch.cli import is_first_rank
     from megatron_patch.conversion.atomic import check_output
+    from megatron_patch.inference import generate, load_model, read_prompts
     from megatron_patch.names import torch_dtype
+    from megatron_patch.tokenizer import build_tokenizer
 
     if args.group_size < 2:
         raise ValueError("--group-size must be >= 2: advantages are normalised within each prompt's group, so a "

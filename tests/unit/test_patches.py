@@ -1,4 +1,5 @@
-"""The runtime patch registry and its CPU patches (`cpu_cuda_calls`, `cpu_parallel_state`, `cpu_training`)."""
+"""The runtime patch registry and its CPU patches (`cpu_cuda_calls`, `cpu_parallel_state`, `cpu_training`,
+`paged_attention_in_torch`)."""
 
 import pytest
 import torch
@@ -9,8 +10,11 @@ from megatron_patch import patches
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the patch does nothing with CUDA")
 def test_cpu_cuda_calls_apply_and_undo():
     from megatron.core.fusions import fused_softmax
+    from megatron.core.inference import communication_utils
+    from megatron.core.inference.contexts import dynamic_context
 
     original = fused_softmax.get_sliding_window_causal_mask
+    triton_append = dynamic_context.triton_append_key_value_cache
     with patches.applied("cpu_cuda_calls") as active:
         assert active and torch.cuda.current_device() == "cpu"
         mask = fused_softmax.get_sliding_window_causal_mask(6, 6, (2, 0))
@@ -21,10 +25,18 @@ def test_cpu_cuda_calls_apply_and_undo():
         assert torch.ones(2).cuda().device.type == "cpu"
         assert torch.ones(2).to("cuda").device.type == "cpu"
         assert torch.zeros(2, device="cuda").device.type == "cpu"
+        # the dynamic inference engine: pinned bookkeeping, a copy stream, the Triton KV append, PP broadcasts
+        assert not torch.empty(2, pin_memory=True).is_pinned() and torch.ones(2).pin_memory().device.type == "cpu"
+        torch.cuda.Stream(device="cpu").wait_stream(None)
+        assert dynamic_context.triton_append_key_value_cache is None
+        communication_utils._is_cuda(torch.ones(1))
     assert fused_softmax.get_sliding_window_causal_mask is original
+    assert dynamic_context.triton_append_key_value_cache is triton_append
     if "cpu_cuda_calls" not in patches._ACTIVE:  # (the CPU test harness keeps it on for good)
         with pytest.raises(RuntimeError):
             torch.ones(2).cuda()
+        with pytest.raises(AssertionError):
+            communication_utils._is_cuda(torch.ones(1))
 
 
 def test_every_patch_states_why_and_versions():
@@ -62,3 +74,80 @@ def test_cpu_training_apply_twice_and_undo():
             mc_random._get_cuda_rng_state, torch.cuda.Stream) == originals
     assert {n: patches.is_active(n) for n in before_deps} == before_deps
     assert torch.ones(2).type() == "torch.FloatTensor"
+
+
+def _dense_attention(q, k, v, scale, window, sink):
+    """Reference: queries [s, h, d] at the last s positions of keys / values [L, hk, d], causal, in fp64."""
+    s_len, h, _ = q.shape
+    L = k.shape[0]
+    k, v = (t.double().repeat_interleave(h // t.shape[1], dim=1) for t in (k, v))
+    scores = torch.einsum("shd,lhd->hsl", q.double(), k) * scale
+    i = torch.arange(L - s_len, L)[:, None]
+    j = torch.arange(L)[None, :]
+    seen = (j <= i) & ((j >= i - window[0]) if window else True)
+    scores = scores.masked_fill(~seen, float("-inf"))
+    weights = scores.exp()
+    total = weights.sum(-1, keepdim=True) + (sink.double().exp()[:, None, None] if sink is not None else 0)
+    return torch.einsum("hsl,lhd->shd", weights / total, v)
+
+
+@pytest.mark.parametrize("window, sink", [(None, False), ((3, 0), False), (None, True)])
+def test_paged_attention_in_torch_equals_dense_attention(window, sink):
+    """The torch stand-in for megatron-core's paged flash-attention (`paged_attention_in_torch`) equals
+    plain causal attention over each request's whole sequence to 1e-6 (fp32, max |difference|), on a
+    mixed prefill step (a whole prompt, a prompt continued after cached tokens, a request in decode) and
+    on a decode-only step with padding rows; grouped queries (8 heads over 2 KV heads), pages of 4
+    tokens handed out out of order, a sliding window, a sink logit. Cache pages nobody wrote hold NaN:
+    they must not leak."""
+    from types import SimpleNamespace
+
+    from megatron_patch.patches import _paged_attention_in_torch
+
+    torch.manual_seed(0)
+    h, hk, d, page, pages = 8, 2, 16, 4, 12
+    layer = SimpleNamespace(config=SimpleNamespace(window_size=window, window_attn_skip_freq=None), layer_number=1,
+                            softmax_scale=None)
+    sink_logits = torch.randn(h) if sink else None
+    k_cache = torch.full((pages, page, hk, d), float("nan"))
+    v_cache = torch.full((pages, page, hk, d), float("nan"))
+    lengths = [7, 9, 5]  # tokens cached per request, this step's included
+    queries = [7, 3, 1]  # this step's tokens: a whole prompt, a continued prompt, one decode token
+    tables = [[5, 0], [2, 7, 9], [11, 3]]  # pages per request, out of order
+    full_k, full_v = [], []
+    for n, table in zip(lengths, tables):
+        k, v = torch.randn(n, hk, d), torch.randn(n, hk, d)
+        for pos in range(n):
+            k_cache[table[pos // page], pos % page], v_cache[table[pos // page], pos % page] = k[pos], v[pos]
+        full_k.append(k)
+        full_v.append(v)
+    block_table = torch.tensor([t + [-1] * (3 - len(t)) for t in tables])
+    q = torch.randn(sum(queries) + 2, 1, h, d)  # 2 padding tokens at the end
+    cu_q = torch.tensor([0, 7, 10, 11])
+    out = _paged_attention_in_torch(layer, q, k_cache, v_cache, 7, 9, cu_q, None, torch.tensor(lengths), block_table,
+                                    False, sink_logits)
+    for r in range(3):
+        want = _dense_attention(q[cu_q[r]: cu_q[r + 1], 0], full_k[r], full_v[r], d ** -0.5, window, sink_logits)
+        assert (out[cu_q[r]: cu_q[r + 1], 0].double() - want).abs().max() < 1e-6
+    assert torch.equal(out[11:], torch.zeros(2, 1, h, d))
+    # decode only: one new token per request, plus a padding row (no pages, length 0)
+    q = torch.randn(4, 1, h, d)
+    table = torch.cat([block_table, torch.full((1, 3), -1)])
+    out = _paged_attention_in_torch(layer, q, k_cache, v_cache, 1, 9, None, None, torch.tensor(lengths + [0]),
+                                    table, True, sink_logits)
+    for r in range(3):
+        want = _dense_attention(q[r: r + 1, 0], full_k[r], full_v[r], d ** -0.5, window, sink_logits)
+        assert (out[r, 0].double() - want[0]).abs().max() < 1e-6
+    assert torch.isfinite(out).all()
+
+
+def test_paged_attention_in_torch_applies_without_flash_attn():
+    from megatron.core.transformer import attention
+
+    if attention.HAVE_FA3 or attention.HAVE_FA4 or attention.flash_attn_varlen_func is not None:
+        pytest.skip("flash-attn is installed: the patch does nothing")
+    original = attention.Attention.flash_decode_and_prefill
+    with patches.applied("paged_attention_in_torch") as active:
+        assert active and patches.apply("paged_attention_in_torch")
+        assert attention.Attention.flash_decode_and_prefill is patches._paged_attention_in_torch
+        assert attention.is_fa_min_version("2.7.3")
+    assert attention.Attention.flash_decode_and_prefill is original
