@@ -113,7 +113,11 @@ def test_converter_with_te_naming(world, tmp_path, capsys):
             # fp32 tolerance: TE's TF32 GEMMs (see test_te_spec_matches_hf_and_local) vs plain fp32
             tol = "5e-2" if run_impl == "transformer_engine" else "1e-3"
             code = main(["verify", "--hf-dir", hf_dir, "--mcore-dir", mc, "--impl", run_impl, "--tolerance", tol])
-            rows[(impl, run_impl)] = (code, json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+            captured = capsys.readouterr()
+            lines = captured.out.strip().splitlines()
+            # verify prints its JSON line unless it failed before comparing: then its error is the finding
+            assert lines, (impl, run_impl, captured.err[-3000:])
+            rows[(impl, run_impl)] = (code, json.loads(lines[-1]))
         back = str(tmp_path / f"back_{impl}")
         code = main(["mcore-to-hf", "--mcore-dir", mc, "--out", back])
         assert code == 0, capsys.readouterr().err[-3000:]
