@@ -27,19 +27,16 @@ def load_model(mcore_dir: str | None, hf_dir: str | None, tp: int = 1, pp: int =
         from megatron_patch.conversion.mcore_io import load_megatron_model
 
         return load_megatron_model(mcore_dir, tp, pp, impl, dtype, ep=ep)
-    from megatron_patch.conversion.engine import hf_to_megatron, load_rank_state_dict, make_plan
+    from megatron_patch.conversion.engine import load_hf_into_rank, make_plan
     from megatron_patch.conversion.hf_io import HFCheckpoint
-    from megatron_patch.models import Layout, build_model, load_hf_config
-    from megatron_patch.models.family import current_rank
+    from megatron_patch.models import Layout, build_model, get_family, load_hf_config
 
     impl = impl or "local"
     cfg = load_hf_config(hf_dir)
-    model = build_model(cfg, tp, pp, impl=impl, dtype=dtype, perform_initialization=False, ep=ep)
-    rank = current_rank()
+    family = get_family(cfg)
+    model = build_model(cfg, tp, pp, impl=impl, dtype=dtype, perform_initialization=False, ep=ep, family=family)
     ckpt = HFCheckpoint(hf_dir)
-    state = hf_to_megatron(make_plan(cfg, Layout(tp, pp, ep=ep), impl), ckpt.get, ckpt.keys(), dtype,
-                           stages=[rank[1]], tp_ranks=[rank[0]], ep_ranks=[rank[2]])
-    load_rank_state_dict(model, state[rank])
+    load_hf_into_rank(model, make_plan(cfg, Layout(tp, pp, ep=ep), impl, family), ckpt.get, ckpt.keys(), dtype)
     return model.eval(), cfg
 
 

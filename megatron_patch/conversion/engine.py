@@ -20,10 +20,9 @@ from torch import Tensor
 
 from megatron_patch.models.family import Impl, Layout, ModelFamily
 from megatron_patch.models.mappings import Drop, Mapping, Replicated, Shapes
+from megatron_patch.models.parallel import Rank
 from megatron_patch.models.registry import get_family
 from megatron_patch.names import IMPLS
-
-Rank = tuple[int, int, int]  # (tp_rank, pp_rank, ep_rank)
 
 
 class Placement(NamedTuple):
@@ -101,12 +100,6 @@ class Plan:
     @property
     def experts_per_rank(self) -> int:
         return self.num_experts // self.layout.ep if self.num_experts else 0
-
-    def stage_of(self, m: Mapping) -> list[int]:
-        """Pipeline stages that hold a non-layer tensor."""
-        if m.megatron.startswith("embedding."):
-            return [0]
-        return [self.layout.pp - 1]
 
     def placements(self, stages: Iterable[int] | None = None,
                    ep_ranks: Iterable[int] | None = None) -> Iterator[Placement]:
@@ -240,7 +233,7 @@ def hf_to_megatron(plan: Plan, get: Callable[[str], Tensor], hf_keys: Iterable[s
     stages = list(range(plan.layout.pp)) if stages is None else list(stages)
     tp_ranks = list(range(plan.layout.tp)) if tp_ranks is None else list(tp_ranks)
     ep_ranks = list(range(plan.layout.ep)) if ep_ranks is None else list(ep_ranks)
-    out: dict[Rank, dict[str, Tensor]] = {(t, p, e): {} for t in tp_ranks for p in stages for e in ep_ranks}
+    out: dict[Rank, dict[str, Tensor]] = {Rank(t, p, e): {} for t in tp_ranks for p in stages for e in ep_ranks}
     for pl in plan.placements(stages, ep_ranks):
         shards = megatron_shards(plan, pl, [get(h) for h in pl.hf_names], dtype, expected)
         own_etp_shard = split_experts and pl.mapping.expert is not None
@@ -338,6 +331,24 @@ def extra_state_names(plan: Plan, stage: int) -> set[str]:
         names |= {n.rsplit(".", 1)[0] + "._extra_state" for n in plan.megatron_names(stage)
                   if n.endswith("layernorm.weight")}
     return names
+
+
+def load_hf_into_rank(model: torch.nn.Module, plan: Plan, get: Callable[[str], Tensor], hf_keys: Iterable[str],
+                      dtype: torch.dtype | None = None, keep: Iterable[str] = ()) -> None:
+    """Fill this process's part of a freshly built model from HF tensors (read by name through `get`):
+    only its pipeline stage's tensors are read, and it keeps its TP / EP (expert TP) slice. `keep`: Megatron
+    names whose values the model keeps (a reward head that starts fresh on a causal LM's backbone)."""
+    from megatron_patch.models.parallel import current_etp_rank, current_rank
+
+    rank = current_rank()
+    state = hf_to_megatron(plan, get, hf_keys, dtype, stages=[rank.pp], tp_ranks=[rank.tp], ep_ranks=[rank.ep],
+                           etp_rank=current_etp_rank())[rank]
+    own = model.state_dict()
+    for name in keep:
+        state.pop(name, None)
+        if name in own:
+            state[name] = own[name]
+    load_rank_state_dict(model, state)
 
 
 def load_rank_state_dict(model: torch.nn.Module, state_dict: MappingABC[str, Tensor]) -> None:

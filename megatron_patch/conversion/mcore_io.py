@@ -60,12 +60,15 @@ from megatron_patch.conversion.engine import (
     check_megatron_keys,
     extra_state_names,
     hf_to_megatron,
+    load_hf_into_rank,
     make_plan,
     megatron_shards,
     placements_to_hf,
 )
 from megatron_patch.conversion.manifest import TensorLog
-from megatron_patch.models.family import Layout, build_model, ensure_model_parallel
+from megatron_patch.models.build import build_model
+from megatron_patch.models.family import Layout
+from megatron_patch.models.parallel import ensure_model_parallel
 from megatron_patch.models.registry import get_family, load_hf_config
 
 WRITE_THREADS = 2
@@ -152,7 +155,7 @@ def _template(plan: Plan, dtype: torch.dtype) -> dict:
     ensure_model_parallel(1, 1)
     with torch.device("meta"):
         model = build_model(
-            plan.hf_config, 1, 1, impl="local", dtype=dtype,
+            plan.hf_config, 1, 1, impl="local", dtype=dtype, family=plan.family,
             padded_vocab_size=plan.shapes.padded_vocab_size, perform_initialization=False,
             num_query_groups=plan.shapes.num_query_groups,
             use_cpu_initialization=True,  # stay on the meta device even when a GPU is present
@@ -637,9 +640,6 @@ def load_megatron_model(ckpt_dir: str, tp: int = 1, pp: int = 1, impl: str | Non
     through the engine (any layout). Returns (model, hf_config)."""
     from megatron.core import dist_checkpointing
 
-    from megatron_patch.conversion.engine import load_rank_state_dict
-    from megatron_patch.models.family import current_rank
-
     ckpt = MegatronCheckpoint.open(ckpt_dir, hf_config)
     impl = impl or ckpt.impl
     ensure_model_parallel(tp, pp, ep)
@@ -665,8 +665,5 @@ def load_megatron_model(ckpt_dir: str, tp: int = 1, pp: int = 1, impl: str | Non
         hf = {k: v for chunk in ckpt.hf_chunks() for k, v in chunk.items()}
         plan = make_plan(ckpt.hf_config, Layout(tp, pp, ckpt.layout.make_vocab_size_divisible_by, ep), impl,
                          padded_vocab_size=ckpt.padded_vocab_size)
-        rank = current_rank()
-        mine = hf_to_megatron(plan, hf.__getitem__, hf.keys(), dtype, stages=[rank[1]], tp_ranks=[rank[0]],
-                              ep_ranks=[rank[2]])[rank]
-        load_rank_state_dict(model, mine)
+        load_hf_into_rank(model, plan, hf.__getitem__, hf.keys(), dtype)
     return model.eval(), ckpt.hf_config

@@ -1,13 +1,7 @@
 """Model families: HF config -> megatron-core GPTModel, layer specs and weight maps."""
 
-from megatron_patch.models.family import (
-    Layout,
-    ModelFamily,
-    UnsupportedConfig,
-    build_model,
-    padded_vocab_size,
-    transformer_config,
-)
+from megatron_patch.models.build import build_model, transformer_config
+from megatron_patch.models.family import Layout, ModelFamily, UnsupportedConfig, padded_vocab_size
 from megatron_patch.models.registry import families, get_family, load_hf_config, register
 
 __all__ = [

@@ -418,7 +418,7 @@ def apply_precision(args: argparse.Namespace) -> None:
         return
     import torch
 
-    from megatron_patch.models.family import transformer_engine_available
+    from megatron_patch.models.build import transformer_engine_available
 
     if not transformer_engine_available():
         raise ValueError("--precision fp8 needs Transformer Engine; install megatron_patch[te]")

@@ -8,14 +8,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from megatron_patch.models import Layout, get_family
-from megatron_patch.models.family import gpt_model
+from megatron_patch.models import Layout, ModelFamily, get_family
+from megatron_patch.models.build import gpt_model
 
 
-def transformer_config_from_args(args, hf_config: Any):
+def transformer_config_from_args(args, hf_config: Any, family: ModelFamily | None = None):
     from megatron.training.argument_utils import core_transformer_config_from_args
 
-    family = get_family(hf_config)
+    family = family or get_family(hf_config)
     base = core_transformer_config_from_args(args)
     fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init}
     fields.update(family.config_kwargs(hf_config))
@@ -53,10 +53,9 @@ def load_hf_weights(model, hf_dir: str, hf_config: Any, args) -> None:
     """Fill this rank's freshly built model from an HF checkpoint: only the tensors of this rank's
     pipeline stage are read (one at a time, positioned reads), and this TP rank keeps its slice. A reward
     model may start from a causal LM: its backbone is read and the scalar head keeps its initialisation."""
-    from megatron_patch.conversion.engine import hf_to_megatron, load_rank_state_dict, make_plan
+    from megatron_patch.conversion.engine import load_hf_into_rank, make_plan
     from megatron_patch.conversion.hf_io import HFCheckpoint
     from megatron_patch.models import load_hf_config
-    from megatron_patch.models.family import current_etp_rank, current_rank
     from megatron_patch.models.reward import SCORE, is_reward_config
 
     layout = Layout(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
@@ -66,24 +65,19 @@ def load_hf_weights(model, hf_dir: str, hf_config: Any, args) -> None:
     fresh_head = is_reward_config(hf_config) and SCORE not in ckpt.keys()
     source = load_hf_config(hf_dir) if fresh_head else hf_config
     plan = make_plan(source, layout, args.transformer_impl, padded_vocab_size=args.padded_vocab_size)
-    rank = current_rank()
-    state = hf_to_megatron(plan, ckpt.get, ckpt.keys(), stages=[rank[1]], tp_ranks=[rank[0]], ep_ranks=[rank[2]],
-                           etp_rank=current_etp_rank())[rank]
-    if fresh_head:
-        state.pop("output_layer.weight", None)
-        if model.post_process:
-            state["output_layer.weight"] = model.output_layer.weight.detach()
-    load_rank_state_dict(model, state)
+    load_hf_into_rank(model, plan, ckpt.get, ckpt.keys(), keep=["output_layer.weight"] if fresh_head else [])
 
 
 def make_model_provider(hf_config: Any):
+    family = get_family(hf_config)  # resolved once for every model chunk megatron asks for
+
     def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None,
                        config=None, pg_collection=None):
         from megatron.training import get_args
 
         args = get_args()
-        tc = transformer_config_from_args(args, hf_config)
-        model = gpt_model(hf_config, tc, args.padded_vocab_size, pre_process, post_process,
+        tc = transformer_config_from_args(args, hf_config, family)
+        model = gpt_model(hf_config, tc, args.padded_vocab_size, pre_process, post_process, family=family,
                           fp16_lm_cross_entropy=args.fp16_lm_cross_entropy, parallel_output=True,
                           **({"vp_stage": vp_stage} if vp_stage is not None else {}))
         fuse_te_wgrad(model, args.gradient_accumulation_fusion)

@@ -37,7 +37,7 @@ def _check_layouts(rank: int, data_path: str) -> dict:
     from megatron_patch.conversion.engine import hf_to_megatron, load_rank_state_dict, make_plan
     from megatron_patch.conversion.verify import megatron_logits
     from megatron_patch.models import Layout, build_model
-    from megatron_patch.models.family import current_etp_rank, current_rank
+    from megatron_patch.models.parallel import current_etp_rank, current_rank
 
     data = torch.load(data_path, weights_only=False)
     results = {}

@@ -40,7 +40,7 @@ def grouped_vs_sequential(out: str) -> dict:
     from megatron_patch.conversion.hf_io import HFCheckpoint
     from megatron_patch.conversion.verify import fixed_prompts, megatron_logits
     from megatron_patch.models import Layout, build_model
-    from megatron_patch.models.family import ensure_model_parallel
+    from megatron_patch.models.parallel import ensure_model_parallel
     from tests.models import save_hf
 
     ensure_model_parallel(1, 1)

@@ -22,7 +22,7 @@ VARIANTS += MOE
 
 @pytest.fixture(scope="module")
 def world():
-    from megatron_patch.models.family import ensure_model_parallel
+    from megatron_patch.models.parallel import ensure_model_parallel
 
     ensure_model_parallel(1, 1)
 

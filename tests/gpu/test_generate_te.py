@@ -81,7 +81,7 @@ def compare_greedy(hf_dir: str, prompts: list[list[int]], dtype: torch.dtype, im
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    from megatron_patch.models.family import ensure_model_parallel
+    from megatron_patch.models.parallel import ensure_model_parallel
 
     ensure_model_parallel(1, 1)
     return trained_hf_folder(str(tmp_path_factory.mktemp("gen") / "hf"))

@@ -48,7 +48,7 @@ def run_proof(name: str, tmp_path, timeout: int) -> dict:
 
 @pytest.fixture(scope="module")
 def world():
-    from megatron_patch.models.family import ensure_model_parallel
+    from megatron_patch.models.parallel import ensure_model_parallel
 
     ensure_model_parallel(1, 1)
 

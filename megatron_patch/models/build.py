@@ -1,0 +1,133 @@
+"""Building megatron-core models for a family: `TransformerConfig` from an HF config and a layout, and the
+`GPTModel` itself (`gpt_model`, the one place a model is assembled; `build_model` for the tools, the model
+provider for training). Each function takes the family its caller resolved, so a call chain resolves it
+once."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any
+
+import torch
+
+from megatron_patch import patches
+from megatron_patch.models.family import Impl, Layout, ModelFamily
+from megatron_patch.models.parallel import ensure_model_parallel
+from megatron_patch.models.registry import get_family
+from megatron_patch.names import IMPLS
+
+
+def transformer_engine_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def runtime_config_kwargs(dtype: torch.dtype = torch.float32) -> dict:
+    """Runtime (non-architecture) TransformerConfig fields for models built outside
+    `megatron.training` (conversion, verification): parameters are created on the GPU when there is
+    one, else on the CPU, and the fused kernels that need CUDA extensions (Apex, megatron's own
+    fused softmax) are off, so the same model runs on either."""
+    return dict(
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+    )
+
+
+def transformer_config(hf_config: Any, layout: Layout = Layout(), dtype: torch.dtype = torch.float32,
+                       family: ModelFamily | None = None, **overrides):
+    """`TransformerConfig` for `hf_config` at `layout`; `overrides` win over everything (a checkpoint's
+    `num_query_groups`, e.g., when it was made with kv heads replicated for another TP)."""
+    family = family or get_family(hf_config)
+    shapes = family.shapes(hf_config, layout)
+    kwargs = {**family.config_kwargs(hf_config), **runtime_config_kwargs(dtype),
+              "num_query_groups": shapes.num_query_groups,
+              "tensor_model_parallel_size": layout.tp, "pipeline_model_parallel_size": layout.pp,
+              **overrides}
+    if kwargs["num_query_groups"] % layout.tp or kwargs["num_query_groups"] % shapes.hf_query_groups:
+        raise ValueError(f"num_query_groups={kwargs['num_query_groups']} must be a multiple of TP={layout.tp} "
+                         f"and of the {shapes.hf_query_groups} kv heads")
+    cls = family.config_class()
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise TypeError(f"unknown {cls.__name__} fields: {unknown}")
+    return cls(**kwargs)
+
+
+def build_model(hf_config: Any, tp: int = 1, pp: int = 1, impl: Impl = "local",
+                dtype: torch.dtype = torch.float32, make_vocab_size_divisible_by: int = 128,
+                padded_vocab_size: int | None = None, pre_process: bool | None = None,
+                post_process: bool | None = None, ep: int = 1, etp: int | None = None,
+                family: ModelFamily | None = None, **config_overrides):
+    """The megatron-core `GPTModel` for this process's rank of a TP x PP (x EP) layout.
+
+    Model parallelism must be initialised for TP x PP (`parallel_state.initialize_model_parallel`);
+    for TP=PP=1 with nothing set up, a gloo world of one is created here. The embedding is padded
+    per `make_vocab_size_divisible_by` x TP unless `padded_vocab_size` (e.g. a checkpoint's) is given.
+    `config_overrides` are TransformerConfig fields (e.g. `perform_initialization=False`, or a
+    checkpoint's `num_query_groups`). `family`: the family of `hf_config` when the caller has resolved it."""
+    from megatron.core import parallel_state as ps
+
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "transformer_engine" and not transformer_engine_available():
+        raise ValueError("the transformer_engine implementation needs Transformer Engine, which is not installed: "
+                         "install it (pip install 'megatron_patch[te]', on a CUDA machine) or run with --impl local")
+    family = family or get_family(hf_config)
+    layout = Layout(tp, pp, make_vocab_size_divisible_by, ep, etp)
+    family.check_layout(hf_config, layout)
+    ensure_model_parallel(tp, pp, ep, etp)
+    have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+            ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size())
+    if have != (tp, pp, ep, layout.expert_tp):
+        raise ValueError(f"model parallelism is initialised as TP={have[0]}, PP={have[1]}, EP={have[2]}, ETP={have[3]} "
+                         f"but TP={tp}, PP={pp}, EP={ep}, ETP={layout.expert_tp} was asked for")
+    config = transformer_config(hf_config, layout, dtype, family,
+                                **{"transformer_impl": impl, **config_overrides})
+    shapes = family.shapes(hf_config, layout)
+    if pre_process is None:
+        pre_process = ps.is_pipeline_first_stage()
+    if post_process is None:
+        post_process = ps.is_pipeline_last_stage()
+    with patches.applied("cpu_cuda_calls"):  # MLA builds its rotary embedding on current_device()
+        model = gpt_model(hf_config, config, padded_vocab_size or shapes.padded_vocab_size, pre_process,
+                          post_process, family=family)
+    if dtype != torch.float32:
+        # torch norms (local spec without Apex) are built in fp32 whatever params_dtype says;
+        # megatron.training casts the same way (Float16Module)
+        model.to(dtype)
+    if not config.use_cpu_initialization:
+        # as megatron.training's get_model does: modules built without a device (torch norms) follow
+        model.cuda(torch.cuda.current_device())
+    return model
+
+
+def gpt_model(hf_config: Any, config, vocab_size: int, pre_process: bool, post_process: bool,
+              family: ModelFamily | None = None, **gpt_kwargs):
+    """The family's `GPTModel` for a ready `TransformerConfig` (its `transformer_impl` picks the layer
+    spec): the one place a model is assembled, for the tools (`build_model`) and for training (the
+    model provider, whose config comes from megatron.training's arguments)."""
+    from megatron.core.models.gpt import GPTModel
+
+    family = family or get_family(hf_config)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=family.decoder_spec(hf_config, config, gpt_kwargs.get("vp_stage")),
+        vocab_size=vocab_size,
+        max_sequence_length=family.max_sequence_length(hf_config),
+        pre_process=pre_process,
+        post_process=post_process,
+        **{**family.gpt_kwargs(hf_config), **gpt_kwargs},
+    )
+    family.finalize(model, hf_config)
+    return model
