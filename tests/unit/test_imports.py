@@ -1,0 +1,56 @@
+"""The package's import graph (every `import` / `from ... import` of megatron_patch, at module level and
+inside functions): no circle, and the library never imports its command-line folder `toolkits/`."""
+
+import ast
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PACKAGE = os.path.join(ROOT, "megatron_patch")
+
+
+def _module_name(path: str) -> str:
+    rel = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+    return rel[: -len(".__init__")] if rel.endswith(".__init__") else rel
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = {}
+    for root, _, names in os.walk(PACKAGE):
+        for n in names:
+            if n.endswith(".py"):
+                modules[_module_name(os.path.join(root, n))] = os.path.join(root, n)
+    graph = {}
+    for name, path in modules.items():
+        targets = set()
+        for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+            if isinstance(node, ast.Import):
+                targets.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets.add(node.module)
+                targets.update(f"{node.module}.{a.name}" for a in node.names)
+        # an import of a.b.c also runs a and a.b: count the deepest module of ours it names
+        graph[name] = {t for t in targets if t in modules and t != name} | {t for t in targets
+                                                                         if t.startswith("toolkits")}
+    return graph
+
+
+def test_no_import_circle_and_no_toolkits():
+    graph = _graph()
+    assert not {m: sorted(t for t in ts if t.startswith("toolkits")) for m, ts in graph.items()
+                if any(t.startswith("toolkits") for t in ts)}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if nxt.startswith("toolkits"):
+                continue
+            if state.get(nxt) == 1:
+                raise AssertionError("import circle: " + " -> ".join(path[path.index(nxt):] + [nxt]))
+            if nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
