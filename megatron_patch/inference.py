@@ -24,7 +24,7 @@ def load_model(mcore_dir: str | None, hf_dir: str | None, tp: int = 1, pp: int =
 
     dtype = dtype or torch.float32
     if mcore_dir:
-        from megatron_patch.conversion.mcore_io import load_megatron_model
+        from megatron_patch.conversion.megatron_checkpoint import load_megatron_model
 
         return load_megatron_model(mcore_dir, tp, pp, impl, dtype, ep=ep)
     from megatron_patch.conversion.engine import load_hf_into_rank, make_plan
@@ -58,6 +58,16 @@ def add_model_args(parser) -> None:
                         help="weights and activations (bf16 is the usual choice on a GPU)")
 
 
+def model_folder(mcore_dir: str | None, hf_dir: str | None) -> str:
+    """The folder holding a model's HF config and tokenizer: an HF folder itself, or a Megatron
+    checkpoint's `hf/` (what the converter and our training runs keep beside the weights)."""
+    import os
+
+    from megatron_patch.conversion.mcore_io import HF_SUBDIR
+
+    return hf_dir if hf_dir else os.path.join(mcore_dir or "", HF_SUBDIR)
+
+
 def model_and_tokenizer(args, before_loading=None):
     """(model, the model's vocab_size, tokenizer) for `add_model_args` options; paths, and the tokenizer against the
     model's vocab, are checked (`before_loading(tokenizer)` runs before the weights are read)."""
@@ -71,8 +81,7 @@ def model_and_tokenizer(args, before_loading=None):
     for path in (args.mcore_dir, args.hf_dir):
         if path and not os.path.exists(path):
             raise ValueError(f"{path} does not exist")
-    tokenizer = build_tokenizer(args.tokenizer or (os.path.join(args.mcore_dir, "hf") if args.mcore_dir
-                                                   else args.hf_dir))
+    tokenizer = build_tokenizer(args.tokenizer or model_folder(args.mcore_dir, args.hf_dir))
     if before_loading is not None:
         before_loading(tokenizer)
     model, cfg = load_model(args.mcore_dir, args.hf_dir, args.tp, args.pp, args.impl, torch_dtype(args.dtype), args.ep)
@@ -176,7 +185,7 @@ def context_length_of(mcore_dir: str | None, hf_dir: str | None) -> int | None:
 
     from megatron_patch.models import get_family, load_hf_config
 
-    folder = hf_dir if hf_dir else os.path.join(mcore_dir or "", "hf")
+    folder = model_folder(mcore_dir, hf_dir)
     if not os.path.isfile(os.path.join(folder, "config.json")):
         return None
     cfg = load_hf_config(folder)

@@ -139,7 +139,7 @@ def test_single_kv_head_at_tp2_through_every_format(cpu_megatron, tmp_path, caps
     hf_dir = save_case(c, str(tmp_path / "hf"))
     mc, flat, back = (str(tmp_path / n) for n in ("mc", "flat", "back"))
     assert main(["hf-to-mcore", "--hf-dir", hf_dir, "--out", mc, "--tp", "2"]) == 0
-    from megatron_patch.conversion.mcore_io import MegatronCheckpoint
+    from megatron_patch.conversion.megatron_checkpoint import MegatronCheckpoint
 
     assert MegatronCheckpoint.open(mc).num_query_groups == 2
     capsys.readouterr()

@@ -11,7 +11,7 @@ import torch
 
 from megatron_patch.conversion.engine import extra_state_names, make_plan
 from megatron_patch.conversion.hf_io import read_all
-from megatron_patch.conversion.mcore_io import LEGACY_FILE, load_legacy_file
+from megatron_patch.conversion.legacy import LEGACY_FILE, load_legacy_file
 from megatron_patch.models import Layout
 from tests.models import hf_model, llama_config, save_hf
 from toolkits.checkpoint_converter.__main__ import main
@@ -148,7 +148,8 @@ def test_checkpoint_written_by_megatron_training(src, tmp_path, monkeypatch, fmt
 def test_tensor_manifest_matches_what_was_written(src):
     """Each output carries tensors.json: names, shapes, dtypes and CRC-32 of the tensors as written."""
     from megatron_patch.conversion import manifest
-    from megatron_patch.conversion.mcore_io import MegatronCheckpoint, load_legacy_stage
+    from megatron_patch.conversion.legacy import load_legacy_stage
+    from megatron_patch.conversion.megatron_checkpoint import MegatronCheckpoint
 
     root, hf, _, ref = src
     _ok("hf-to-mcore", "--hf-dir", hf, "--out", str(root / "m_dist"), "--tp", "2")

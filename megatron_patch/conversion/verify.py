@@ -163,7 +163,7 @@ def verify(hf_dir: str, mcore_dir: str, tp: int = 1, pp: int = 1, dtype: torch.d
     tolerance, default `default_tolerance`) and, when not ok, `problem`. `dtype`: the compute dtype of
     both (default: the checkpoint's); the HF weights are rounded to the checkpoint's dtype first.
     `impl` overrides the implementation recorded at conversion."""
-    from megatron_patch.conversion.mcore_io import MegatronCheckpoint, load_megatron_model
+    from megatron_patch.conversion.megatron_checkpoint import MegatronCheckpoint, load_megatron_model
 
     ckpt = MegatronCheckpoint.open(mcore_dir, hf_config)
     same_model(hf_dir, ckpt.hf_config, mcore_dir)

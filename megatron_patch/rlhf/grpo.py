@@ -26,7 +26,6 @@ import argparse
 import importlib
 import json
 import math
-import os
 import statistics
 import sys
 import time
@@ -138,7 +137,7 @@ def rewards_of(reward_fn: Callable[[str, str], float], spec: str, texts: list[st
 def train(args) -> dict:
     from megatron_patch.cli import is_first_rank
     from megatron_patch.conversion.atomic import check_output
-    from megatron_patch.inference import generate, load_model, read_prompts
+    from megatron_patch.inference import generate, load_model, model_folder, read_prompts
     from megatron_patch.names import torch_dtype
     from megatron_patch.tokenizer import build_tokenizer
 
@@ -150,7 +149,7 @@ def train(args) -> dict:
     elif is_first_rank():
         print("warning: no --out: the trained policy will not be saved", file=sys.stderr)
     reward_fn = load_reward(args.reward)
-    tok_dir = args.tokenizer or (os.path.join(args.mcore_dir, "hf") if args.mcore_dir else args.hf_dir)
+    tok_dir = args.tokenizer or model_folder(args.mcore_dir, args.hf_dir)
     tokenizer = build_tokenizer(tok_dir)
     texts, prompt_ids = read_prompts(args.prompts, tokenizer, args.chat)
     torch.manual_seed(args.seed)

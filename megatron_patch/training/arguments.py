@@ -18,6 +18,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from megatron_patch.conversion.mcore_io import HF_SUBDIR, TRACKER
 from megatron_patch.models import Layout, get_family, load_hf_config
 
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
@@ -130,8 +131,8 @@ def hf_config_source(args: argparse.Namespace) -> str:
     for source in (args.hf_config, args.load_hf):
         if source:
             return source
-    if args.load and os.path.isfile(os.path.join(args.load, "hf", "config.json")):
-        return os.path.join(args.load, "hf")
+    if args.load and os.path.isfile(os.path.join(args.load, HF_SUBDIR, "config.json")):
+        return os.path.join(args.load, HF_SUBDIR)
     raise ValueError("no model architecture: pass --hf-config PATH (an HF config.json or folder), --load-hf DIR, "
                      "or --load a checkpoint converted by megatron_patch")
 
@@ -233,7 +234,7 @@ def parse_args(argv: list[str] | None = None, extra_args_provider=None, indexed_
     set_global_variables(args)
     _match_vocab(args, hf_config)
     # resuming a run (a checkpoint in --load) wins over --load-hf
-    args.resuming = bool(args.load) and os.path.isfile(os.path.join(args.load, "latest_checkpointed_iteration.txt"))
+    args.resuming = bool(args.load) and os.path.isfile(os.path.join(args.load, TRACKER))
     return args, hf_config
 
 

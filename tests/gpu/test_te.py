@@ -134,7 +134,7 @@ def test_converter_with_te_naming(world, tmp_path, capsys):
 def test_legacy_te_checkpoint_loads_strictly(world, tmp_path):
     """The legacy writer's `_extra_state` entries are exactly a TE model's (strict load_state_dict,
     as megatron.training does for --ckpt-format torch)."""
-    from megatron_patch.conversion.mcore_io import LEGACY_FILE, load_legacy_file
+    from megatron_patch.conversion.legacy import LEGACY_FILE, load_legacy_file
     from megatron_patch.models import build_model
     from tests.models import hf_model, llama_config, save_hf
     from toolkits.checkpoint_converter.__main__ import main
