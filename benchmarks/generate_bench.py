@@ -137,7 +137,8 @@ def run_shape(a, shape: str, prompts: list[list[int]], timer: Timer) -> list[dic
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from megatron_patch.conversion.engine import hf_to_megatron, load_rank_state_dict, make_plan
-    from megatron_patch.inference import generate, release_engine
+    from megatron_patch.inference import generate
+    from megatron_patch.inference.dynamic import release_engine
     from megatron_patch.models import Layout, build_model
     from megatron_patch.names import torch_dtype
 

@@ -30,8 +30,14 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM, delivered as an interruption so that every `finally` / cleanup runs as for Ctrl-C."""
 
 
-def _on_sigterm(signum, frame):
-    raise Terminated()
+_SIGNALS: list[int] = []  # the interrupting signals received while a tool works
+
+
+def _on_signal(signum, frame):
+    """Record the signal, then interrupt: a cleanup that fails on the way (a half-written file's writer
+    raising its own error) cannot turn an interruption into another error."""
+    _SIGNALS.append(signum)
+    raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
 
 
 # Third-party notices that say nothing to a user of these tools: (logger, message start) for logging,
@@ -107,25 +113,29 @@ def run(work: Callable[[], Any], summary: TextIO | str | None = "stdout",
     JSON line on `summary` (a stream, or "stdout" / "stderr": the one current at the end; None: not
     printed; rank 0 only under torchrun)."""
     quiet_third_party()
-    previous = None
+    previous = {}
+    _SIGNALS.clear()
     if threading.current_thread() is threading.main_thread():
-        previous = signal.signal(signal.SIGTERM, _on_sigterm)
+        previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         result = work()
-    except Terminated:
-        print("\nerror: terminated (SIGTERM); no output was left behind", file=sys.stderr)
-        return 143, None
-    except KeyboardInterrupt:
-        print("\nerror: interrupted; no output was left behind", file=sys.stderr)
-        return 130, None
-    except errors as e:
+    except BaseException as e:
+        # an interruption, however the work's cleanup reported it
+        if _SIGNALS or isinstance(e, KeyboardInterrupt):
+            if _SIGNALS[:1] == [signal.SIGTERM] or isinstance(e, Terminated):
+                print("\nerror: terminated (SIGTERM); no output was left behind", file=sys.stderr)
+                return 143, None
+            print("\nerror: interrupted; no output was left behind", file=sys.stderr)
+            return 130, None
+        if not isinstance(e, errors):
+            raise
         if os.environ.get("MEGATRON_PATCH_TRACEBACK"):
             traceback.print_exc()
         print(f"\nerror: {error_text(e)}", file=sys.stderr)  # newline: a progress bar may own the line
         return 1, None
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
     if isinstance(result, dict):
         result = {**result, "wall_seconds": round(process_seconds(), 2)}
     if summary is not None and result is not None and is_first_rank():

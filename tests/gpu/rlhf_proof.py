@@ -1,6 +1,6 @@
 """GPU proof of the RLHF paths (docs/gpu_results.md): a ~125M LLaMA-family model (the training proof's
 shape, random start, the bundled tiny tokenizer) runs each algorithm on the synthetic tasks of
-tests/test_rlhf.py, Transformer Engine implementation:
+tests/e2e/test_rlhf.py, Transformer Engine implementation:
 
 - reward model (megatron.training, bf16): pairwise accuracy and margin over the iterations;
 - DPO (megatron.training, bf16, reference on the fly): reward accuracy and margin;
@@ -62,8 +62,8 @@ def main() -> None:
     os.makedirs(out, exist_ok=True)
     from megatron_patch.conversion.hf_io import copy_side_files
     from megatron_patch.tokenizer import TINY_TOKENIZER
+    from tests.helpers import preferences
     from tests.models import hf_model, save_hf
-    from tests.test_rlhf import preferences
 
     hf_dir = os.path.join(out, "hf_start")
     if not os.path.isdir(hf_dir):
@@ -88,7 +88,7 @@ def main() -> None:
         f.writelines(json.dumps({"prompt": p}) + "\n" for p in
                      ["The module", "A list of", "When the function", "def f(x):", "The interpreter", "import os"])
     cmd = [sys.executable, "-m", "megatron_patch.rlhf.grpo", "--hf-dir", hf_dir, "--prompts", prompts, "--reward",
-           "tests.test_rlhf:toy_reward", "--impl", "transformer_engine", "--dtype", "fp32", "--steps", "30",
+           "tests.e2e.test_rlhf:toy_reward", "--impl", "transformer_engine", "--dtype", "fp32", "--steps", "30",
            "--prompts-per-step", "6", "--group-size", "16", "--max-new-tokens", "32", "--lr", "1e-4",
            "--kl-coef", "0.01", "--out", os.path.join(out, "grpo_hf")]
     env = {**os.environ, "PYTHONPATH": ROOT + ":" + os.environ.get("PYTHONPATH", "")}

@@ -112,7 +112,7 @@ def main() -> None:
         runs["hf_pp2"] = train(out, "hf_pp2", 2, data, from_hf, short, "--pipeline-model-parallel-size", "2")
     if "sft" in a.only:
         # packed chat data through TE's THD attention (PackedSeqParams), from the HF start
-        from tests.test_sft import conversations
+        from tests.helpers import conversations
 
         chats = os.path.join(out, "chats.jsonl")
         with open(chats, "w") as f:

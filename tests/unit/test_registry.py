@@ -84,3 +84,16 @@ def test_remote_code_families_need_their_config(cpu_megatron):
     fam = get_family(cfg)
     with pytest.raises(UnsupportedConfig, match="remote-code"):
         fam.hf_config_from_megatron(transformer_config(cfg), fam.gpt_kwargs(cfg), cfg["vocab_size"])
+
+
+def test_registry_agrees_with_the_family_classes():
+    """Each registry entry resolves to a family whose declared name and architectures are the entry's own, so a
+    family file and its registry line cannot drift apart (e.g. an architecture added in one place only)."""
+    from megatron_patch.models.registry import families
+
+    for name, archs in families().items():
+        family = get_family(name)
+        assert family.name == name, (name, family.name)
+        assert tuple(family.architectures) == tuple(archs), (name, family.architectures, archs)
+        for arch in archs:
+            assert get_family(arch) is family, arch

@@ -11,26 +11,7 @@ import torch
 from megatron_patch.tokenizer import TINY_TOKENIZER, build_tokenizer
 from megatron_patch.training.sft_data import PackedSFTDataset
 from tests import _cpu
-
-WORDS = ("the module returns a list of values when the function is called with an argument and the "
-         "interpreter raises an error if the name is not defined in the current scope").split()
-
-
-def conversations(n: int, seed: int = 0) -> list[dict]:
-    """Synthetic chats (and instruction rows) whose answers follow a learnable rule: repeat the words."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(n):
-        k = int(torch.randint(3, 12, (1,), generator=g))
-        words = [WORDS[int(j)] for j in torch.randint(0, len(WORDS), (k,), generator=g)]
-        text = " ".join(words)
-        if i % 3 == 2:
-            out.append({"instruction": "Repeat the text.", "input": text, "output": text})
-        else:
-            out.append({"messages": [{"role": "system", "content": "You repeat."},
-                                     {"role": "user", "content": f"Repeat: {text}"},
-                                     {"role": "assistant", "content": text}]})
-    return out
+from tests.helpers import conversations
 
 
 @pytest.fixture(scope="module")

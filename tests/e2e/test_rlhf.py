@@ -13,25 +13,7 @@ import torch
 
 from megatron_patch.tokenizer import TINY_TOKENIZER, build_tokenizer
 from tests import _cpu
-
-GOOD = "yes right good fine true correct".split()
-BAD = "no wrong bad poor false broken".split()
-TOPICS = "the module returns a list of values when the function is called".split()
-
-
-def preferences(n: int, seed: int) -> list[dict]:
-    """Chosen answers use words from GOOD, rejected ones from BAD (random order and length)."""
-    g = torch.Generator().manual_seed(seed)
-
-    def words(pool, k):
-        return " ".join(pool[int(i)] for i in torch.randint(0, len(pool), (k,), generator=g))
-
-    rows = []
-    for _ in range(n):
-        k = int(torch.randint(2, 6, (1,), generator=g))
-        rows.append({"prompt": "Is " + words(TOPICS, 3) + "?", "chosen": words(GOOD, k), "rejected": words(BAD, k)})
-    return rows
-
+from tests.helpers import preferences
 
 CPU_ARGS = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", TINY_TOKENIZER, "--transformer-impl",
             "local", "--use-cpu-initialization", "--no-masked-softmax-fusion", "--no-persist-layer-norm",
@@ -59,19 +41,7 @@ def _pairs(tok, path: str, seq: int) -> dict:
     return flatten_pairs(torch.utils.data.default_collate([ds[i] for i in range(len(ds))]))
 
 
-@pytest.fixture(scope="module")
-def hf_start(tmp_path_factory):
-    """A tiny causal LM (HF folder with the tiny tokenizer) to start from."""
-    from megatron_patch.conversion.hf_io import copy_side_files
-    from tests.models import hf_model, llama_config, save_hf
-
-    path = str(tmp_path_factory.mktemp("rlhf") / "hf")
-    save_hf(hf_model(llama_config("gqa")), path)
-    copy_side_files(TINY_TOKENIZER, path, ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"])
-    return path
-
-
-def test_reward_model_learns_the_rule(hf_start, tmp_path):
+def test_reward_model_learns_the_rule(tiny_lm, tmp_path):
     from transformers import AutoModelForSequenceClassification
 
     from megatron_patch.conversion.verify import megatron_logits
@@ -81,7 +51,7 @@ def test_reward_model_learns_the_rule(hf_start, tmp_path):
     train, held = tmp_path / "train.jsonl", tmp_path / "held.jsonl"
     train.write_text("".join(json.dumps(r) + "\n" for r in preferences(400, 0)))
     held.write_text("".join(json.dumps(r) + "\n" for r in preferences(64, 1)))
-    argv = ["--load-hf", hf_start, "--pref-data", str(train), "--seq-length", "32", "--micro-batch-size", "4",
+    argv = ["--load-hf", tiny_lm, "--pref-data", str(train), "--seq-length", "32", "--micro-batch-size", "4",
             "--global-batch-size", "8", "--train-iters", "40", "--lr", "2e-3", "--save", str(tmp_path / "ckpt"),
             "--save-interval", "40", "--save-hf", str(tmp_path / "rm_hf"), *CPU_ARGS]
     logged = _cpu.run_world(1, _train, "reward_model", argv)[0]["logged"]
@@ -147,13 +117,13 @@ def _held_out_margins(policy, reference, batch, beta: float) -> tuple[float, flo
     return float(margin.mean()), float((margin > 0).float().mean())
 
 
-def test_dpo_raises_margin_and_accuracy_on_held_out_pairs(hf_start, tmp_path):
+def test_dpo_raises_margin_and_accuracy_on_held_out_pairs(tiny_lm, tmp_path):
     from megatron_patch.inference import load_model
 
     train, held = tmp_path / "train.jsonl", tmp_path / "held.jsonl"
     train.write_text("".join(json.dumps(r) + "\n" for r in preferences(400, 0)))
     held.write_text("".join(json.dumps(r) + "\n" for r in preferences(64, 1)))
-    argv = ["--load-hf", hf_start, "--pref-data", str(train), "--seq-length", "32", "--micro-batch-size", "4",
+    argv = ["--load-hf", tiny_lm, "--pref-data", str(train), "--seq-length", "32", "--micro-batch-size", "4",
             "--global-batch-size", "8", "--train-iters", "30", "--lr", "1e-3", "--beta", "0.1", "--save",
             str(tmp_path / "ckpt"), "--save-interval", "30", *CPU_ARGS]
     logged = _cpu.run_world(1, _train, "dpo", argv)[0]["logged"]
@@ -162,7 +132,7 @@ def test_dpo_raises_margin_and_accuracy_on_held_out_pairs(hf_start, tmp_path):
     assert abs(logged[0]["dpo loss"] - math.log(2)) < 1e-3
     batch = _pairs(build_tokenizer(TINY_TOKENIZER), str(held), 32)
     policy, _ = load_model(str(tmp_path / "ckpt"), None)
-    reference, _ = load_model(None, hf_start)
+    reference, _ = load_model(None, tiny_lm)
     margin, accuracy = _held_out_margins(policy, reference, batch, 0.1)
     assert margin > 0.5 and accuracy >= 0.9, (margin, accuracy, logged[-1])
 
@@ -178,14 +148,14 @@ def toy_reward(prompt: str, completion: str) -> float:
     return sum(i < 200 for i in ids) / max(len(ids), 1)
 
 
-def test_grpo_raises_the_mean_reward(cpu_megatron, hf_start, tmp_path, capsys):
+def test_grpo_raises_the_mean_reward(cpu_megatron, tiny_lm, tmp_path, capsys):
     from megatron_patch.rlhf.grpo import main
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in
                                ["The module", "A list of", "When the function", "def f(x):"]))
     out = tmp_path / "policy"
-    assert main(["--hf-dir", hf_start, "--prompts", str(prompts), "--reward", "tests.test_rlhf:toy_reward",
+    assert main(["--hf-dir", tiny_lm, "--prompts", str(prompts), "--reward", "tests.e2e.test_rlhf:toy_reward",
                  "--steps", "30", "--prompts-per-step", "4", "--group-size", "8", "--max-new-tokens", "8",
                  "--lr", "3e-3", "--kl-coef", "0.01", "--out", str(out)]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -193,7 +163,7 @@ def test_grpo_raises_the_mean_reward(cpu_megatron, hf_start, tmp_path, capsys):
     # the exported policy is an HF model that differs from the start
     from megatron_patch.conversion.hf_io import read_all
 
-    start, end = read_all(hf_start), read_all(str(out))
+    start, end = read_all(tiny_lm), read_all(str(out))
     assert start.keys() == end.keys() and any(not torch.equal(start[k], end[k]) for k in start)
 
 
@@ -221,23 +191,23 @@ def _entry_error(rank: int, entry: str, argv: list[str]) -> str:
     return err.getvalue() if code == 1 else f"exit status {code}"
 
 
-def test_bad_input_refused_before_training(hf_start, tmp_path):
+def test_bad_input_refused_before_training(tiny_lm, tmp_path):
     """A tokenizer larger than the model's vocabulary, missing preference data, DPO with PP > 1, a DPO beta of
     0, evaluation without a validation set: each one `error:` line from the entry point, exit status 1."""
     small = tmp_path / "small.json"
-    small.write_text(json.dumps({**json.load(open(f"{hf_start}/config.json")), "vocab_size": 500}))
+    small.write_text(json.dumps({**json.load(open(f"{tiny_lm}/config.json")), "vocab_size": 500}))
     prefs = tmp_path / "p.jsonl"
     prefs.write_text(json.dumps(preferences(1, 0)[0]) + "\n")
     base = ["--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "1",
             "--lr", "1e-3", *CPU_ARGS]
     for entry, argv, match in [
         ("reward_model", ["--hf-config", str(small), "--pref-data", str(prefs)], "tokenizer has 1000 tokens"),
-        ("dpo", ["--load-hf", hf_start], "no preference data"),
-        ("dpo", ["--load-hf", hf_start, "--pref-data", str(prefs), "--pipeline-model-parallel-size", "2"],
+        ("dpo", ["--load-hf", tiny_lm], "no preference data"),
+        ("dpo", ["--load-hf", tiny_lm, "--pref-data", str(prefs), "--pipeline-model-parallel-size", "2"],
          "pipeline parallelism is not supported"),
-        ("dpo", ["--load-hf", hf_start, "--pref-data", str(prefs), "--beta", "0"],
+        ("dpo", ["--load-hf", tiny_lm, "--pref-data", str(prefs), "--beta", "0"],
          "--beta must be a finite number > 0"),
-        ("reward_model", ["--load-hf", hf_start, "--pref-data", str(prefs), "--eval-iters", "5"],
+        ("reward_model", ["--load-hf", tiny_lm, "--pref-data", str(prefs), "--eval-iters", "5"],
          "--eval-iters 5: there is no validation data"),
     ]:
         err = _cpu.run_world(2 if "--pipeline-model-parallel-size" in argv else 1, _entry_error, entry,

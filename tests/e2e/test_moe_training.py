@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests import _cpu
-from tests.test_pretrain import _argv, data  # noqa: F401  (the corpus fixture)
+from tests.helpers import pretrain_argv as _argv
 
 
 def _run(rank: int, argv: list[str]) -> dict:
@@ -43,11 +43,11 @@ def _hf_folder(root, variant: str) -> str:
 
 
 @pytest.mark.parametrize("variant", ["mixtral", "deepseek_v3"])
-def test_expert_parallel_training_matches_ep1_and_hf(data, tmp_path, variant):  # noqa: F811
+def test_expert_parallel_training_matches_ep1_and_hf(corpus, tmp_path, variant):  # noqa: F811
     hf_dir = _hf_folder(tmp_path, variant)
     extra = ["--train-iters", "6", "--make-vocab-size-divisible-by", "4", "--moe-token-dispatcher-type", "allgather"]
-    ep1 = _cpu.run_world(1, _run, _argv(data, str(tmp_path / "a"), *extra, model=("--load-hf", hf_dir)))[0]
-    ep2 = _cpu.run_world(2, _run, _argv(data, str(tmp_path / "b"), *extra, "--expert-model-parallel-size", "2",
+    ep1 = _cpu.run_world(1, _run, _argv(corpus, str(tmp_path / "a"), *extra, model=("--load-hf", hf_dir)))[0]
+    ep2 = _cpu.run_world(2, _run, _argv(corpus, str(tmp_path / "b"), *extra, "--expert-model-parallel-size", "2",
                                         model=("--load-hf", hf_dir)))
     assert len(ep1["losses"]) == 6
     for rank in ep2:

@@ -437,6 +437,7 @@ def test_engine_is_kept_between_calls_and_inference_mode_cleared(setup):
 
     from megatron_patch import inference
     from megatron_patch.conversion.verify import megatron_logits
+    from megatron_patch.inference import dynamic
     from megatron_patch.tokenizer import build_tokenizer
 
     *_, mc = setup
@@ -444,14 +445,14 @@ def test_engine_is_kept_between_calls_and_inference_mode_cleared(setup):
     model, _ = inference.load_model(mc, None)
     ids = [tok.tokenize(p) for p in PROMPTS]
     first = inference.generate(model, tok, ids, 6, top_k=1, engine="dynamic")
-    engine = inference._Engines.engine
+    engine = dynamic._Engines.engine
     assert inference.generate(model, tok, ids[:2], 4, top_k=1, engine="dynamic") == [t[:4] for t in first[:2]]
-    assert inference._Engines.engine is engine and not InferenceMode.is_active()
+    assert dynamic._Engines.engine is engine and not InferenceMode.is_active()
     assert inference.generate(model, tok, ids, 12, top_k=1, engine="dynamic")[0][:6] == first[0]  # a new engine
-    assert inference._Engines.engine is not engine
+    assert dynamic._Engines.engine is not engine
     megatron_logits(model, torch.tensor([ids[0]]), 1000)
-    inference.release_engine()
-    assert inference._Engines.engine is None
+    dynamic.release_engine()
+    assert dynamic._Engines.engine is None
 
 
 @pytest.mark.parametrize("variant, why", [("bloom", "ALiBi attention"), ("deepseek_v3", "multi-latent attention")])

@@ -15,7 +15,7 @@ import pytest
 from megatron_patch.tokenizer import CORPUS, TINY_TOKENIZER, build_tokenizer
 from toolkits.preprocess_data import main, output_paths, preprocess
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="module")

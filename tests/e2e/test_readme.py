@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODELS = ("Llama-3.1-8B", "Qwen2.5-7B-Instruct")  # the model folders the README names
 # flag -> tiny value, in every command
 TINY = {"--workers": "1", "--seq-length": "64", "--micro-batch-size": "2", "--global-batch-size": "4",
@@ -29,9 +29,9 @@ TRAINERS = ("megatron_patch.pretrain", "megatron_patch.sft", "megatron_patch.rlh
             "megatron_patch.rlhf.dpo")
 LAUNCHER_TINY = ["--cpu", "--seq-length", "64", "--mbs", "2", "--gbs", "4", "--iters", "3"]
 SKIP = {
-    "make ": "the quick start itself: CI runs `make test`; tests/test_cli.py runs the demo `make demo` runs",
+    "make ": "the quick start itself: CI runs `make test`; tests/e2e/test_cli.py runs the demo `make demo` runs",
     "pip install": "installs packages",
-    "megatron_patch.lm_eval_model": "needs lm-eval's hub datasets; tests/test_lm_eval.py runs the same CLI on "
+    "megatron_patch.lm_eval_model": "needs lm-eval's hub datasets; tests/e2e/test_lm_eval.py runs the same CLI on "
                                     "local tasks",
 }
 
@@ -88,9 +88,8 @@ def work(tmp_path_factory):
     pairs, prompts, documents, multiple-choice rows and a reward function."""
     from megatron_patch.conversion.hf_io import copy_side_files
     from megatron_patch.tokenizer import CORPUS, TINY_TOKENIZER
+    from tests.helpers import conversations, preferences
     from tests.models import hf_model, llama_config, save_hf
-    from tests.test_rlhf import preferences
-    from tests.test_sft import conversations
 
     root = tmp_path_factory.mktemp("readme")
     model = hf_model(llama_config("gqa"))

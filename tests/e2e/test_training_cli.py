@@ -1,7 +1,7 @@
 """The training entry points as commands (`python -m megatron_patch.pretrain / .sft / .rlhf.reward_model /
 .rlhf.dpo`): `--help` works and lists our options first; bad input is one `error:` line with exit status 1;
 a machine without a GPU needs `--cpu` (one up-front error otherwise). The README's training commands run
-at tiny sizes with `--cpu` in tests/test_readme.py."""
+at tiny sizes with `--cpu` in tests/e2e/test_readme.py."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import torch
 from megatron_patch.tokenizer import CORPUS, TINY_TOKENIZER
 from tests import _cpu
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = dict(os.environ, PYTHONPATH=ROOT, TORCHDYNAMO_DISABLE="1")
 ENTRIES = {"pretrain": "megatron_patch.pretrain", "sft": "megatron_patch.sft",
            "reward_model": "megatron_patch.rlhf.reward_model", "dpo": "megatron_patch.rlhf.dpo"}
@@ -29,8 +29,8 @@ ENTRIES = {"pretrain": "megatron_patch.pretrain", "sft": "megatron_patch.sft",
 def work(tmp_path_factory):
     """A tiny HF model with the tiny tokenizer, 400 corpus documents and preference rows."""
     from megatron_patch.conversion.hf_io import copy_side_files
+    from tests.helpers import preferences
     from tests.models import hf_model, llama_config, save_hf
-    from tests.test_rlhf import preferences
 
     root = tmp_path_factory.mktemp("training_cli")
     save_hf(hf_model(llama_config("gqa")), str(root / "model"))

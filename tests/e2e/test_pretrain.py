@@ -9,17 +9,16 @@ redirects in tests/_cpu.py), on the bundled corpus tokenized by `toolkits.prepro
 """
 
 import contextlib
-import gzip
 import io
 import json
-import os
 
 import pytest
 import torch
 
 from megatron_patch.testing import TINY_LLAMA
-from megatron_patch.tokenizer import CORPUS, TINY_TOKENIZER
+from megatron_patch.tokenizer import TINY_TOKENIZER
 from tests import _cpu
+from tests.helpers import pretrain_argv as _argv
 
 
 def _run(rank: int, argv: list[str]) -> dict:
@@ -59,46 +58,21 @@ PROFILE_SETTINGS = ("manual_gc", "manual_gc_interval", "cross_entropy_loss_fusio
                     "check_for_nan_in_loss_and_grad", "rerun_mode", "create_attention_mask_in_dataloader")
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    """The first 400 documents of the bundled corpus as a Megatron indexed dataset."""
-    from toolkits.preprocess_data import preprocess
-
-    root = tmp_path_factory.mktemp("data")
-    with gzip.open(CORPUS, "rt") as f, open(root / "docs.jsonl", "w") as out:
-        for _, line in zip(range(400), f):
-            out.write(line)
-    preprocess([str(root / "docs.jsonl")], str(root / "docs"), TINY_TOKENIZER, append_eod=True)
-    return str(root / "docs_text_document")
-
-
-def _argv(data: str, save: str, *extra: str, model=("--hf-config", TINY_LLAMA)) -> list[str]:
-    return [*model, "--data-path", data, "--split", "100,0,0", "--tokenizer-type", "HuggingFaceTokenizer",
-            "--tokenizer-model", TINY_TOKENIZER, "--seq-length", "64", "--micro-batch-size", "2",
-            "--global-batch-size", "4", "--train-iters", "15", "--lr", "3e-3", "--min-lr", "3e-4",
-            "--lr-decay-style", "cosine", "--lr-warmup-iters", "2", "--transformer-impl", "local",
-            "--use-cpu-initialization", "--no-masked-softmax-fusion",
-            "--no-persist-layer-norm", "--no-rope-fusion", "--no-bias-swiglu-fusion", "--distributed-backend",
-            "gloo", "--num-workers", "0", "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000",
-            "--save", save, "--save-interval", "10", "--seed", "1234", "--data-cache-path",
-            os.path.join(os.path.dirname(save), "cache"), *extra]
-
-
 def _train(world: int, argv: list[str]) -> dict:
     return _cpu.run_world(world, _run, argv)[-1]  # the last rank holds the loss
 
 
 @pytest.fixture(scope="module")
-def tp1_full(data, tmp_path_factory):
-    return _train(1, _argv(data, str(tmp_path_factory.mktemp("tp1") / "ckpt")))["losses"]
+def tp1_full(corpus, tmp_path_factory):
+    return _train(1, _argv(corpus, str(tmp_path_factory.mktemp("tp1") / "ckpt")))["losses"]
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_resume_matches_uninterrupted(data, tmp_path, tp1_full, tp):
+def test_resume_matches_uninterrupted(corpus, tmp_path, tp1_full, tp):
     layout = ["--tensor-model-parallel-size", str(tp)]
-    full = tp1_full if tp == 1 else _train(tp, _argv(data, str(tmp_path / "full"), *layout))["losses"]
-    first = _train(tp, _argv(data, str(tmp_path / "ckpt"), *layout, "--exit-interval", "10"))["losses"]
-    resumed = _train(tp, _argv(data, str(tmp_path / "ckpt"), *layout, "--load", str(tmp_path / "ckpt")))["losses"]
+    full = tp1_full if tp == 1 else _train(tp, _argv(corpus, str(tmp_path / "full"), *layout))["losses"]
+    first = _train(tp, _argv(corpus, str(tmp_path / "ckpt"), *layout, "--exit-interval", "10"))["losses"]
+    resumed = _train(tp, _argv(corpus, str(tmp_path / "ckpt"), *layout, "--load", str(tmp_path / "ckpt")))["losses"]
     assert len(full) == 30 and len(first) == 20 and len(resumed) == 10  # 2 micro-batches per iteration
     assert max(abs(a - b) for a, b in zip(first + resumed, full)) <= 1e-6
     # it learns: from ~log(1000) = 6.9 at the start, the last iterations are clearly lower (~6.4)
@@ -113,10 +87,10 @@ def hf_start(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def from_hf_tp1(data, hf_start, tmp_path_factory):
+def from_hf_tp1(corpus, hf_start, tmp_path_factory):
     root = tmp_path_factory.mktemp("from_hf")
     # no vocab padding at TP=1 or 2 (1000 = 125 x 4 x 2): padded rows would add zero logits to the softmax
-    return _train(1, _argv(data, str(root / "ckpt"), "--train-iters", "4", "--make-vocab-size-divisible-by", "4",
+    return _train(1, _argv(corpus, str(root / "ckpt"), "--train-iters", "4", "--make-vocab-size-divisible-by", "4",
                            "--save-hf", str(root / "exported"), model=("--load-hf", hf_start))), root
 
 
@@ -143,9 +117,9 @@ def test_load_hf_reproduces_hf_loss_and_save_hf_exports(from_hf_tp1, hf_start):
     assert config["architectures"] == ["LlamaForCausalLM"] and config["vocab_size"] == 1000
 
 
-def test_tp2_from_hf_matches_tp1(from_hf_tp1, data, hf_start, tmp_path):
+def test_tp2_from_hf_matches_tp1(from_hf_tp1, corpus, hf_start, tmp_path):
     """From the same HF weights, TP=2 trains with the same losses as TP=1 (fp32; reduction order only)."""
-    run = _train(2, _argv(data, str(tmp_path / "ckpt"), "--train-iters", "4", "--make-vocab-size-divisible-by", "4",
+    run = _train(2, _argv(corpus, str(tmp_path / "ckpt"), "--train-iters", "4", "--make-vocab-size-divisible-by", "4",
                           "--tensor-model-parallel-size", "2", model=("--load-hf", hf_start)))
     tp1 = from_hf_tp1[0]["losses"]
     assert len(run["losses"]) == len(tp1) == 8
@@ -166,17 +140,17 @@ def _parse_errors(rank: int, argvs: list[list[str]]) -> list[str]:
     return messages
 
 
-def test_bad_input_is_refused_before_training(data, tmp_path):
+def test_bad_input_is_refused_before_training(corpus, tmp_path):
     """Each a clear error from argument checking, before a model or a GPU is touched."""
     cases = {  # the vocab check runs after megatron set its global state: keep it last
-        "no --data-path": ([a for a in _argv(data, str(tmp_path / "c")) if a not in ("--data-path", data)],
+        "no --data-path": ([a for a in _argv(corpus, str(tmp_path / "c")) if a not in ("--data-path", corpus)],
                            "no training data"),
         "missing prefix": (_argv(str(tmp_path / "nope"), str(tmp_path / "c")), "nope.bin"),
-        "fp8 on the CPU": (_argv(data, str(tmp_path / "c"), "--precision", "fp8"),
+        "fp8 on the CPU": (_argv(corpus, str(tmp_path / "c"), "--precision", "fp8"),
                            "--precision fp8 cannot run on the CPU"),
-        "architecture conflict": (_argv(data, str(tmp_path / "c"), "--num-layers", "7"), "--num-layers 7 conflicts"),
-        "no architecture": (_argv(data, str(tmp_path / "c"), model=()), "no model architecture"),
-        "vocab mismatch": (_argv(data, str(tmp_path / "c"), "--tokenizer-model", TINY_TOKENIZER,
+        "architecture conflict": (_argv(corpus, str(tmp_path / "c"), "--num-layers", "7"), "--num-layers 7 conflicts"),
+        "no architecture": (_argv(corpus, str(tmp_path / "c"), model=()), "no model architecture"),
+        "vocab mismatch": (_argv(corpus, str(tmp_path / "c"), "--tokenizer-model", TINY_TOKENIZER,
                                  model=("--hf-config", str(tmp_path / "small.json"))),
                            "tokenizer has 1000 tokens but the model's vocab_size is 500"),
     }
@@ -200,7 +174,7 @@ def test_fp8_needs_transformer_engine():
         apply_precision(Namespace(precision="fp8", bf16=False, fp16=False, fp8=None))
 
 
-def test_blend_weights_and_prefixes_are_checked(data, tmp_path):
+def test_blend_weights_and_prefixes_are_checked(corpus, tmp_path):
     """--data-path "w1 prefix1 w2 prefix2": weights pass, every prefix needs its .bin and .idx."""
     from argparse import Namespace
 
@@ -208,18 +182,18 @@ def test_blend_weights_and_prefixes_are_checked(data, tmp_path):
 
     base = dict(mock_data=False, train_data_path=None, valid_data_path=None, test_data_path=None,
                 data_args_path=None, per_split_data_args_path=None)
-    check_data_paths(Namespace(**base, data_path=["0.7", data, "0.3", data]))
+    check_data_paths(Namespace(**base, data_path=["0.7", corpus, "0.3", corpus]))
     with pytest.raises(ValueError, match="missing_text_document.bin"):
-        check_data_paths(Namespace(**base, data_path=["0.7", data, "0.3", str(tmp_path / "missing_text_document")]))
+        check_data_paths(Namespace(**base, data_path=["0.7", corpus, "0.3", str(tmp_path / "missing_text_document")]))
 
 
-def test_throughput_profiles_reach_megatron_and_train_the_same(data, tmp_path):
+def test_throughput_profiles_reach_megatron_and_train_the_same(corpus, tmp_path):
     """--throughput-profile none / default / benchmark: the settings reach Megatron's arguments (a flag
     given on the command line wins), and the losses stay those of Megatron's defaults. fp32 on CPU: the
     fused cross-entropy sums in another order (5e-6 at first, 1.1e-4 by step 5 of a 3e-3 learning rate)."""
     runs = {}
     for profile in ("none", "default", "benchmark"):
-        argv = _argv(data, str(tmp_path / profile / "ckpt"), "--train-iters", "5", "--throughput-profile", profile)
+        argv = _argv(corpus, str(tmp_path / profile / "ckpt"), "--train-iters", "5", "--throughput-profile", profile)
         runs[profile] = _train(1, argv)
     none, default, bench = (runs[p]["settings"] for p in ("none", "default", "benchmark"))
     assert (none["manual_gc"], none["cross_entropy_loss_fusion"], none["check_for_nan_in_loss_and_grad"]) == \
@@ -234,7 +208,7 @@ def test_throughput_profiles_reach_megatron_and_train_the_same(data, tmp_path):
         diffs = [abs(a - b) for a, b in zip(runs["none"]["losses"], runs[profile]["losses"])]
         assert len(diffs) == 10 and max(diffs) <= 5e-4, (profile, diffs)
     # a flag on the command line wins over the profile
-    argv = _argv(data, str(tmp_path / "own" / "ckpt"), "--train-iters", "3", "--manual-gc", "--rerun-mode",
+    argv = _argv(corpus, str(tmp_path / "own" / "ckpt"), "--train-iters", "3", "--manual-gc", "--rerun-mode",
                  "validate_results", "--throughput-profile", "benchmark")
     own = _train(1, argv)["settings"]
     assert (own["manual_gc"], own["manual_gc_interval"], own["rerun_mode"]) == (True, 0, "validate_results")

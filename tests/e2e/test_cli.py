@@ -104,7 +104,7 @@ def test_convert_example_with_bf16(converted, tmp_path):
     import sys
 
     _, hf_dir, _ = converted
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
     p = subprocess.run(["bash", os.path.join(root, "examples", "llama", "convert.sh"), hf_dir, str(tmp_path / "mc"),
                         "--dtype", "bf16", "--tp", "2"], capture_output=True, text=True, env=env, timeout=600)

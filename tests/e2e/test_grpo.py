@@ -9,8 +9,6 @@ import math
 import pytest
 import torch
 
-from tests.test_rlhf import hf_start  # noqa: F401  (fixture: a tiny causal LM with the tiny tokenizer)
-
 
 def nan_reward(prompt: str, completion: str) -> float:
     return math.nan if prompt.startswith("A list") else 1.0
@@ -31,47 +29,47 @@ def prompts(tmp_path):
     return str(path)
 
 
-def _grpo(hf_start, prompts, reward, *extra):
+def _grpo(tiny_lm, prompts, reward, *extra):
     from megatron_patch.rlhf.grpo import main
 
-    return main(["--hf-dir", hf_start, "--prompts", prompts, "--reward", f"tests.test_grpo:{reward}", "--steps", "1",
+    return main(["--hf-dir", tiny_lm, "--prompts", prompts, "--reward", f"tests.e2e.test_grpo:{reward}", "--steps", "1",
                  "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "4", *extra])
 
 
-def test_non_finite_or_non_numeric_reward_is_refused(cpu_megatron, hf_start, prompts, tmp_path, capsys):
+def test_non_finite_or_non_numeric_reward_is_refused(cpu_megatron, tiny_lm, prompts, tmp_path, capsys):
     out = tmp_path / "policy"
-    assert _grpo(hf_start, prompts, "nan_reward", "--out", str(out)) == 1
+    assert _grpo(tiny_lm, prompts, "nan_reward", "--out", str(out)) == 1
     err = capsys.readouterr().err
-    assert "error: --reward tests.test_grpo:nan_reward returned nan for prompt 2 ('A list of values'), sample 1 " \
+    assert "error: --reward tests.e2e.test_grpo:nan_reward returned nan for prompt 2 ('A list of values'), sample 1 " \
            "of its group: a reward must be a finite number" in err, err
     assert not out.exists() and not [p for p in tmp_path.iterdir() if ".partial-" in p.name]
-    assert _grpo(hf_start, prompts, "text_reward") == 1
+    assert _grpo(tiny_lm, prompts, "text_reward") == 1
     assert "returned 'good' for prompt 1" in capsys.readouterr().err
 
 
-def test_group_of_one_is_refused(cpu_megatron, hf_start, prompts, capsys):
+def test_group_of_one_is_refused(cpu_megatron, tiny_lm, prompts, capsys):
     from megatron_patch.rlhf.grpo import main
 
-    assert main(["--hf-dir", hf_start, "--prompts", prompts, "--reward", "tests.test_grpo:constant_reward",
+    assert main(["--hf-dir", tiny_lm, "--prompts", prompts, "--reward", "tests.e2e.test_grpo:constant_reward",
                  "--group-size", "1"]) == 1
     assert "error: --group-size must be >= 2" in capsys.readouterr().err
 
 
-def test_out_checked_first_warned_when_missing_and_written_with_its_dtype(cpu_megatron, hf_start, prompts,
+def test_out_checked_first_warned_when_missing_and_written_with_its_dtype(cpu_megatron, tiny_lm, prompts,
                                                                          tmp_path, capsys):
     out = tmp_path / "policy"
     out.mkdir()
-    assert _grpo(hf_start, prompts, "constant_reward", "--out", str(out)) == 1
+    assert _grpo(tiny_lm, prompts, "constant_reward", "--out", str(out)) == 1
     assert "already exists (pass --overwrite to replace it)" in capsys.readouterr().err
-    assert _grpo(hf_start, prompts, "constant_reward", "--out", str(out), "--overwrite") == 0
+    assert _grpo(tiny_lm, prompts, "constant_reward", "--out", str(out), "--overwrite") == 0
     assert json.load(open(out / "config.json"))["dtype"] == "float32"
-    assert _grpo(hf_start, prompts, "constant_reward", "--out", str(out), "--overwrite", "--dtype", "bf16") == 0
+    assert _grpo(tiny_lm, prompts, "constant_reward", "--out", str(out), "--overwrite", "--dtype", "bf16") == 0
     from transformers import AutoModelForCausalLM
 
     cfg = json.load(open(out / "config.json"))
     assert cfg["dtype"] == cfg["torch_dtype"] == "bfloat16"
     assert AutoModelForCausalLM.from_pretrained(str(out), dtype="auto").dtype == torch.bfloat16
-    assert _grpo(hf_start, prompts, "constant_reward") == 0
+    assert _grpo(tiny_lm, prompts, "constant_reward") == 0
     assert "warning: no --out: the trained policy will not be saved" in capsys.readouterr().err
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from megatron_patch.models import families
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _dry_run(family: str, *args: str, entry: str = "pretrain", **env: str) -> tuple[int, list[str], str]:

@@ -1,0 +1,239 @@
+"""Inference on megatron-core: load a Megatron checkpoint (as stored, any layout) or an HF folder into
+this rank's `GPTModel`, and generate with one of megatron-core's inference engines (`choose_engine`): the
+dynamic one (`DynamicInferenceEngine` over a `DynamicInferenceContext`: continuous batching over a paged
+KV cache, CUDA graphs on a GPU) or the static-batch controller; greedy or sampled with temperature /
+top-k / top-p; stop strings, end token.
+Used by `python -m megatron_patch.generate` and `.evaluate`, lm-eval's `generate_until` and GRPO's
+rollouts (which share `read_prompts`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from megatron_patch.names import DTYPE_NAMES, IMPLS, torch_dtype
+
+
+def load_model(mcore_dir: str | None, hf_dir: str | None, tp: int = 1, pp: int = 1, impl: str | None = None,
+               dtype=None, ep: int = 1):
+    """(this rank's GPTModel, hf_config): a Megatron checkpoint as stored (its own implementation), or
+    an HF folder converted in memory for this rank (`impl`, default local; `dtype` default fp32)."""
+    import torch
+
+    dtype = dtype or torch.float32
+    if mcore_dir:
+        from megatron_patch.conversion.megatron_checkpoint import load_megatron_model
+
+        return load_megatron_model(mcore_dir, tp, pp, impl, dtype, ep=ep)
+    from megatron_patch.conversion.engine import load_hf_into_rank, make_plan
+    from megatron_patch.conversion.hf_io import HFCheckpoint
+    from megatron_patch.models import Layout, build_model, get_family, load_hf_config
+
+    impl = impl or "local"
+    cfg = load_hf_config(hf_dir)
+    family = get_family(cfg)
+    model = build_model(cfg, tp, pp, impl=impl, dtype=dtype, perform_initialization=False, ep=ep, family=family)
+    ckpt = HFCheckpoint(hf_dir)
+    load_hf_into_rank(model, make_plan(cfg, Layout(tp, pp, ep=ep), impl, family), ckpt.get, ckpt.keys(), dtype)
+    return model.eval(), cfg
+
+
+def add_model_args(parser) -> None:
+    """The model options shared by `generate`, `evaluate` and GRPO."""
+    from megatron_patch.cli import positive_int
+
+    parser.add_argument("--mcore-dir", help="a Megatron checkpoint (either format, any stored layout)")
+    parser.add_argument("--hf-dir", help="or an HF folder, converted in memory")
+    parser.add_argument("--tokenizer", help="tokenizer folder / model (default: the checkpoint's hf/ or --hf-dir)")
+    parser.add_argument("--tp", type=positive_int, default=1, metavar="N",
+                        help="tensor parallel ranks (>1: under torchrun with TP x PP processes)")
+    parser.add_argument("--pp", type=positive_int, default=1, metavar="N", help="pipeline parallel ranks")
+    parser.add_argument("--ep", type=positive_int, default=1, metavar="N",
+                        help="expert parallel ranks (mixture-of-experts models)")
+    parser.add_argument("--impl", choices=IMPLS,
+                        help="model implementation (default: a Megatron checkpoint's own; local for --hf-dir)")
+    parser.add_argument("--dtype", choices=DTYPE_NAMES, default="fp32",
+                        help="weights and activations (bf16 is the usual choice on a GPU)")
+
+
+def model_folder(mcore_dir: str | None, hf_dir: str | None) -> str:
+    """The folder holding a model's HF config and tokenizer: an HF folder itself, or a Megatron
+    checkpoint's `hf/` (what the converter and our training runs keep beside the weights)."""
+    import os
+
+    from megatron_patch.conversion.mcore_io import HF_SUBDIR
+
+    return hf_dir if hf_dir else os.path.join(mcore_dir or "", HF_SUBDIR)
+
+
+def model_and_tokenizer(args, before_loading=None):
+    """(model, the model's vocab_size, tokenizer) for `add_model_args` options; paths, and the tokenizer against the
+    model's vocab, are checked (`before_loading(tokenizer)` runs before the weights are read)."""
+    import os
+
+    from megatron_patch.models import Layout, get_family
+    from megatron_patch.tokenizer import build_tokenizer
+
+    if not (args.mcore_dir or args.hf_dir):
+        raise ValueError("pass --mcore-dir CKPT or --hf-dir DIR")
+    for path in (args.mcore_dir, args.hf_dir):
+        if path and not os.path.exists(path):
+            raise ValueError(f"{path} does not exist")
+    tokenizer = build_tokenizer(args.tokenizer or model_folder(args.mcore_dir, args.hf_dir))
+    if before_loading is not None:
+        before_loading(tokenizer)
+    model, cfg = load_model(args.mcore_dir, args.hf_dir, args.tp, args.pp, args.impl, torch_dtype(args.dtype), args.ep)
+    vocab = get_family(cfg).shapes(cfg, Layout()).vocab_size
+    if tokenizer.vocab_size > vocab:
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is {vocab}")
+    return model, vocab, tokenizer
+
+
+def read_prompts(path: str | None, tokenizer, chat: bool = False) -> tuple[list[str], list[list[int]]]:
+    """(prompt texts, their token ids) from a JSONL file of `prompt` (text) or chat `messages` rows, or,
+    with `path=None`, one prompt per non-blank stdin line. `messages` rows, and `prompt` rows with `chat`,
+    are rendered with the tokenizer's chat template and a generation prompt. An empty prompt (an empty
+    string or message list, or text that tokenizes to nothing) is refused with its line number."""
+    import os
+    import sys
+
+    from megatron_patch.jsonl import read_jsonl_numbered
+
+    if path is not None:
+        if not os.path.isfile(path):
+            raise ValueError(f"{path} does not exist")
+        where, rows = path, read_jsonl_numbered(path, need_any=("prompt", "messages"))
+    else:
+        where, rows = "<stdin>", [(n, {"prompt": line.rstrip("\n")}) for n, line in enumerate(sys.stdin, 1)
+                                  if line.strip()]
+    texts, ids = [], []
+    for n, row in rows:
+        if "messages" in row:
+            messages = row["messages"]
+            if not isinstance(messages, list):
+                raise ValueError(f"{where}, line {n}: 'messages' must be a list of messages")
+        else:
+            if not isinstance(row["prompt"], str):
+                raise ValueError(f"{where}, line {n}: 'prompt' must be a string")
+            messages = [{"role": "user", "content": row["prompt"]}] if chat and row["prompt"] else None
+        if messages is not None:
+            if not messages:
+                raise ValueError(f"{where}, line {n}: empty prompt")
+            try:
+                prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True).ids)
+            except ValueError as e:
+                raise ValueError(f"{where}, line {n}: {e}") from e
+            text = tokenizer.detokenize(prompt)
+        else:
+            text = row["prompt"]
+            prompt = tokenizer.tokenize(text) if text else []
+        if not prompt:
+            raise ValueError(f"{where}, line {n}: empty prompt")
+        texts.append(text)
+        ids.append(prompt)
+    if not ids:
+        raise ValueError(f"no prompts in {where}")
+    return texts, ids
+
+
+def check_stop(stop: Sequence[str], name: str = "stop") -> None:
+    """Stop strings must be non-empty: every text contains the empty string. `name`: the argument or flag
+    the errors name."""
+    if any(s == "" for s in stop):
+        raise ValueError(f"{name}: an empty string would end every generation at its first token")
+
+
+def context_length(model) -> int:
+    """The longest sequence (prompt + generated tokens) this GPTModel takes: its max_position_embeddings."""
+    from megatron.core.utils import unwrap_model
+
+    return int(unwrap_model(model).max_sequence_length)
+
+
+def context_length_of(mcore_dir: str | None, hf_dir: str | None) -> int | None:
+    """The model's context (prompt + generated tokens; its family's reading of max_position_embeddings)
+    from its HF config, before any weight is read; None if the config cannot be found (loading then
+    fails with its own error)."""
+    import os
+
+    from megatron_patch.models import get_family, load_hf_config
+
+    folder = model_folder(mcore_dir, hf_dir)
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        return None
+    cfg = load_hf_config(folder)
+    return get_family(cfg).max_sequence_length(cfg)
+
+
+def check_lengths(prompts: Sequence[Sequence[int]], max_new_tokens: int, context: int,
+                  name: str = "max_new_tokens") -> None:
+    """Every prompt plus `max_new_tokens` must fit the model's context (`name`: the option the error
+    names)."""
+    for i, prompt in enumerate(prompts):
+        if len(prompt) + max_new_tokens > context:
+            raise ValueError(f"prompt {i + 1} has {len(prompt)} tokens: with {name} {max_new_tokens} it needs "
+                             f"{len(prompt) + max_new_tokens}, more than the model's context of {context} tokens "
+                             "(max_position_embeddings)")
+
+
+ENGINES = ("auto", "static", "dynamic")
+
+
+def choose_engine(model, engine: str = "auto") -> str:
+    """Which of megatron-core's inference engines runs `generate`:
+    - "static": the static-batch controller (fixed batches of `max_batch_size`, a KV cache per batch; TP
+      and EP; not PP > 1) — the path measured on the GPU machine so far (greedy = HF there);
+    - "dynamic": `DynamicInferenceEngine` (continuous batching over a paged KV cache, CUDA graphs on a GPU;
+      TP, PP and EP; not ALiBi or multi-latent attention: `unsupported_attention`);
+    - "auto": static, except where only the dynamic engine runs the model (PP > 1). The dynamic engine's
+      GPU path (CUDA graphs, flash-attn's paged kernels) has not been measured yet; it becomes the
+      default once it has."""
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    if engine != "auto":
+        return engine
+    return "dynamic" if model.config.pipeline_model_parallel_size > 1 else "static"
+
+
+def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
+             top_k: int = 1, top_p: float = 0.0, seed: int = 1234, max_batch_size: int | None = None,
+             stop_id: int | None = None, on_tokens: Callable[[int, list[int]], None] | None = None,
+             stop: Sequence[str] = (), kv_cache_gb: float | None = None,
+             cuda_graphs: bool | None = None, engine: str = "auto") -> list[list[int]]:
+    """New token ids for each prompt, on megatron-core's inference engine `engine` (`choose_engine`). On the
+    dynamic engine all prompts are queued at once and run with continuous batching, at most
+    `max_batch_size` in flight (default `dynamic.default_max_requests()`); a request that finishes frees its slot
+    and KV blocks for the next one. On the static one, prompts run in batches of `max_batch_size` (default
+    `static.DEFAULT_BATCH_SIZE`), prompts of different lengths together.
+    A generation ends after `max_new_tokens`, before `stop_id` (the end token: left out of the result;
+    None: no early end), or at the token whose addition makes the generated text (its detokenization)
+    contain one of the `stop` strings: that token is the last one returned, so the text ends with the
+    stop string, plus the rest of that token's text when the stop string ends inside it. top_k=1 is
+    greedy; otherwise tokens are sampled (temperature, top-k or top-p) from one generator seeded with
+    `seed` (reproducible for the same requests, `max_batch_size` and engine). `on_tokens(prompt index,
+    tokens so far)` is called after every step in which a request grew. Dynamic engine only:
+    `kv_cache_gb`, this rank's KV cache budget (default: `dynamic.plan_engine`'s automatic one); `cuda_graphs`,
+    capture CUDA graphs (default: on a GPU). Every rank of a TP / PP / EP group calls this with the same
+    arguments."""
+    for i, p in enumerate(prompts):
+        if not p:
+            raise ValueError(f"prompt {i} is empty: generation needs at least one prompt token")
+    check_stop(stop)
+    if top_k == 1:
+        top_p = 0.0  # greedy: the argmax, whatever the other filters say
+    elif top_k > 0 and top_p > 0:
+        raise ValueError(f"top_k {top_k} and top_p {top_p}: megatron-core samples with one of the two filters")
+    if top_k != 1 and temperature <= 0:
+        raise ValueError(f"temperature must be > 0 for sampling (got {temperature}); greedy decoding is top_k=1")
+    check_lengths(prompts, max_new_tokens, context_length(model))
+    if choose_engine(model, engine) == "static":
+        from megatron_patch.inference.static import DEFAULT_BATCH_SIZE, generate_static
+
+        if model.config.pipeline_model_parallel_size > 1:
+            raise ValueError("the static inference engine does not run pipeline-parallel models: use the dynamic "
+                             "one (--engine dynamic)")
+        return generate_static(model, tokenizer, prompts, max_new_tokens, temperature, top_k, top_p, seed,
+                               max_batch_size or DEFAULT_BATCH_SIZE, stop_id, on_tokens, stop)
+    from megatron_patch.inference.dynamic import generate_dynamic
+
+    return generate_dynamic(model, tokenizer, prompts, max_new_tokens, temperature, top_k, top_p, seed,
+                            max_batch_size, stop_id, on_tokens, stop, kv_cache_gb, cuda_graphs)

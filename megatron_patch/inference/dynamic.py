@@ -1,0 +1,361 @@
+"""`generate` on megatron-core's dynamic inference engine (`DynamicInferenceEngine` over a
+`DynamicInferenceContext`): continuous batching over a paged KV cache sized by `plan_engine`, CUDA graphs on
+a GPU (`set_inference_cuda_graphs`), stop strings through the controller's stop-word callback, the engine
+kept between calls while it fits (`release_engine` frees it). TP, PP and EP; not ALiBi or multi-latent
+attention (`unsupported_attention`)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from megatron_patch.inference.stops import holds_stop, stop_window
+
+# KV cache page size in tokens: megatron-core's default (flash-attn's paged kernels want a multiple of 256).
+BLOCK_SIZE_TOKENS = 256
+# CUDA graphs captured per engine (batch sizes spread from 1 to the in-flight maximum): Megatron-LM's
+# default (`--inference-dynamic-batching-num-cuda-graphs`).
+NUM_CUDA_GRAPHS = 16
+# Requests in flight when the caller sets no maximum: on a GPU as many as vLLM's default (`max_num_seqs`),
+# enough to make decoding compute-bound at 1B-8B widths; on a CPU megatron's own default (8), where larger
+# batches buy little and the per-step attention gathers grow with them.
+DEFAULT_MAX_REQUESTS = {"cuda": 256, "cpu": 8}
+# The automatic KV budget is what the in-flight maximum of the longest requests needs, but at most this
+# share of the GPU's memory not held by this process's tensors (the weights; on a CPU: of the host's
+# memory): the rest is left to activations (a prefill step of up to 16k tokens), logits and CUDA graphs.
+# Not the memory free right now: that differs between the ranks of a TP / EP group, and ranks whose
+# caches differ in size schedule differently and then wait for each other forever.
+KV_SHARE_OF_FREE_MEMORY = 0.5
+
+
+def default_max_requests() -> int:
+    """Requests in flight when none is asked for (`DEFAULT_MAX_REQUESTS`, by device)."""
+    import torch
+
+    return DEFAULT_MAX_REQUESTS["cuda" if torch.cuda.is_available() else "cpu"]
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    """How a `DynamicInferenceEngine` is sized for one `generate` call."""
+
+    max_requests: int  # requests in flight (continuous batching: waiting requests take freed slots)
+    bounded: bool  # the call has more requests than that
+    max_sequence_length: int  # longest prompt + max_new_tokens
+    max_tokens: int  # tokens one forward step may carry (prefill chunks of several requests, decodes)
+    kv_cache_gb: float  # KV cache budget of this rank, GiB (megatron's `buffer_size_gb`)
+    cuda_graphs: bool  # capture CUDA graphs (`cuda_graph_impl="local"`, block scope)
+    non_decode_graphs: bool  # also for prefill / mixed steps (not with the torch paged attention)
+
+    def covers(self, other: EnginePlan) -> bool:
+        """An engine built for this plan serves `other` as well: the same graphs, at least as much room, and
+        the same in-flight maximum where it binds (more slots than a call has requests change nothing)."""
+        slots = (self.max_requests == other.max_requests
+                 or (not other.bounded and self.max_requests >= other.max_requests))
+        return (slots and (self.cuda_graphs, self.non_decode_graphs) == (other.cuda_graphs, other.non_decode_graphs)
+                and self.max_sequence_length >= other.max_sequence_length and self.max_tokens >= other.max_tokens
+                and self.kv_cache_gb >= other.kv_cache_gb)
+
+
+def kv_bytes_per_token(model) -> int:
+    """Bytes of K and V one token occupies in this rank's cache (its layers, its share of KV heads)."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    config = model.config
+    heads = config.num_query_groups or config.num_attention_heads
+    heads_here = max(1, heads // config.tensor_model_parallel_size)
+    layers = sum(isinstance(m, TransformerLayer) for m in model.modules())
+    return 2 * layers * heads_here * config.kv_channels * config.params_dtype.itemsize
+
+
+def plan_engine(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, max_requests: int | None = None,
+                kv_cache_gb: float | None = None, cuda_graphs: bool | None = None) -> EnginePlan:
+    """The engine for these requests. `max_requests` (default `default_max_requests()`) is capped at the
+    number of requests and rounded up to a multiple of TP (megatron-core splits requests over TP ranks
+    in its CUDA-graph bookkeeping). `kv_cache_gb` None: the automatic budget (`KV_SHARE_OF_FREE_MEMORY`);
+    a budget that cannot hold the longest request is refused. `cuda_graphs` None: on a GPU, at PP = EP = 1
+    (graphs at PP > 1 are untested here; at EP > 1 megatron-core also wants MoE layers padded for them)."""
+    import torch
+
+    from megatron_patch import patches
+
+    tp = model.config.tensor_model_parallel_size
+    longest = max(len(p) for p in prompts)
+    n = min(max_requests or default_max_requests(), len(prompts))
+    n = -(-n // tp) * tp
+    block = BLOCK_SIZE_TOKENS * kv_bytes_per_token(model)
+    blocks_per_request = -(-(longest + max_new_tokens) // BLOCK_SIZE_TOKENS)
+    need = (n * blocks_per_request + 1) * block  # + megatron's dummy block
+    if kv_cache_gb is None:
+        if torch.cuda.is_available():
+            device = torch.cuda.current_device()
+            free = torch.cuda.get_device_properties(device).total_memory - torch.cuda.memory_allocated(device)
+        else:
+            import psutil
+
+            free = psutil.virtual_memory().total
+        budget = min(need, int(KV_SHARE_OF_FREE_MEMORY * free))
+    else:
+        budget = int(kv_cache_gb * 1024 ** 3)
+    if budget // block - 1 < blocks_per_request:
+        given = (f"the KV cache budget of {kv_cache_gb:g} GiB (--kv-cache-gb)" if kv_cache_gb is not None else
+                 f"the automatic KV cache budget of {budget / 1024 ** 3:.3g} GiB ({KV_SHARE_OF_FREE_MEMORY:g} of the "
+                 "memory the weights leave)")
+        holds = max(budget // block - 1, 0) * BLOCK_SIZE_TOKENS
+        raise ValueError(f"{given} holds {holds} tokens; the longest request needs {longest + max_new_tokens} "
+                         f"({longest} prompt + {max_new_tokens} new tokens), in blocks of {BLOCK_SIZE_TOKENS} tokens "
+                         f"{blocks_per_request * block / 1024 ** 3:.3g} GiB: raise --kv-cache-gb")
+    if cuda_graphs is None:
+        from megatron.core import parallel_state as ps
+
+        cuda_graphs = (torch.cuda.is_available() and model.config.pipeline_model_parallel_size == 1
+                       and ps.get_expert_model_parallel_world_size() == 1)
+    if cuda_graphs and not torch.cuda.is_available():
+        raise ValueError("CUDA graphs need a GPU")
+    from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
+
+    return EnginePlan(max_requests=n, bounded=n < len(prompts), max_sequence_length=longest + max_new_tokens,
+                      max_tokens=max(DynamicInferenceContext.DEFAULT_MAX_TOKENS, longest, n),
+                      kv_cache_gb=budget / 1024 ** 3, cuda_graphs=cuda_graphs,
+                      non_decode_graphs=not patches.is_active("paged_attention_in_torch"))
+
+
+def unsupported_attention(model) -> str | None:
+    """Why megatron-core's dynamic engine cannot run this model's attention, or None. The engine attends
+    through its own paged-KV kernel (`Attention.flash_decode_and_prefill`), not the layer's core
+    attention, so attention that lives in the core attention is lost there: ALiBi biases
+    (`models/modules/alibi.py`: Bloom, Baichuan-13B); multi-latent attention needs megatron-core's
+    cached-latent FlashMLA path (DeepSeek)."""
+    from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
+
+    from megatron_patch.models.modules.alibi import AlibiDotProductAttention
+
+    for m in model.modules():
+        if isinstance(m, MultiLatentAttention):
+            return "multi-latent attention (it needs megatron-core's cached-latent FlashMLA kernels)"
+        if isinstance(m, AlibiDotProductAttention) or getattr(m, "alibi_slopes", None) is not None:
+            return "ALiBi attention (the engine's paged attention adds no position bias)"
+    return None
+
+
+def generate_dynamic(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float,
+                     top_k: int, top_p: float, seed: int, max_requests: int | None, stop_id: int | None, on_tokens,
+                     stop: Sequence[str], kv_cache_gb: float | None, cuda_graphs: bool | None) -> list[list[int]]:
+    """`generate` on megatron-core's dynamic engine (the arguments as `megatron_patch.inference.generate`
+    checked them): every prompt queued at once, at most `max_requests` in flight."""
+    import torch
+
+    from megatron_patch import patches
+
+    why = unsupported_attention(model)
+    if why is not None:
+        raise ValueError(f"megatron-core's dynamic inference engine does not support {why}: use the static one "
+                         "(--engine static)")
+    with (torch.no_grad(), patches.applied("cpu_cuda_calls"), patches.applied("paged_attention_in_torch"),
+          _inference_mode()):
+        _require_einops()
+        plan = plan_engine(model, prompts, max_new_tokens, max_requests, kv_cache_gb, cuda_graphs)
+        engine = _Engines.get(model, tokenizer, plan)
+        return _run(engine, tokenizer, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_id, on_tokens,
+                    stop)
+
+
+@contextlib.contextmanager
+def _inference_mode() -> Iterator[None]:
+    """megatron-core's process-wide `InferenceMode` flag for the duration of a call (the engine sets it
+    when built and never clears it; left set, other forward passes of the model change path: GPTModel
+    then asserts gathered logits, MoE layers pick their inference dispatcher)."""
+    from megatron.core.inference.utils import InferenceMode
+
+    was_active = InferenceMode.is_active()
+    InferenceMode.set_active()
+    try:
+        yield
+    finally:
+        if not was_active:
+            InferenceMode.unset_active()
+
+
+def _require_einops() -> None:
+    """megatron-core's dynamic attention path reshapes with einops, an optional import there."""
+    from megatron.core.transformer import attention
+
+    if attention.rearrange is None:
+        raise ValueError("generation needs the einops package (megatron-core's dynamic inference engine uses it): "
+                         "pip install einops")
+
+
+class _Engines:
+    """The last engine built, kept for the next call on the same model (GRPO generates every step, lm-eval
+    once per group of requests): building one allocates the KV cache and, on a GPU, captures the CUDA
+    graphs, which the next call reuses when its plan fits (`EnginePlan.covers`). One engine at a time:
+    another model or a larger plan replaces it, `release()` frees it."""
+
+    model = None
+    tokenizer = None
+    plan: EnginePlan | None = None
+    engine = None
+
+    @classmethod
+    def get(cls, model, tokenizer, plan: EnginePlan):
+        if (cls.engine is not None and cls.model is model and cls.tokenizer is tokenizer
+                and cls.plan.covers(plan)):
+            cls.engine.reset()
+            return cls.engine
+        cls.release()
+        cls.engine = _build_engine(model, tokenizer, plan)
+        cls.model, cls.tokenizer, cls.plan = model, tokenizer, plan
+        return cls.engine
+
+    @classmethod
+    def release(cls) -> None:
+        if cls.engine is not None and cls.plan.cuda_graphs:
+            from megatron.core.transformer.cuda_graphs import delete_cuda_graphs
+
+            delete_cuda_graphs()
+        cls.model = cls.tokenizer = cls.plan = cls.engine = None
+
+
+def release_engine() -> None:
+    """Free the cached inference engine (its KV cache and CUDA graphs)."""
+    _Engines.release()
+
+
+def set_inference_cuda_graphs(model, on: bool) -> None:
+    """THE switch for CUDA graphs (one place): megatron-core's inference graphs, block scope. On:
+    `cuda_graph_impl="local"` and `inference_cuda_graph_scope=block` on the model's config and a
+    `CudaGraphManager` on each decoder block, as a `TransformerBlock` built with those settings would own
+    (our models are built without graphs: training owns the config). Block scope graphs only forward
+    passes that carry a dynamic inference context in inference mode (`TransformerBlock.
+    _should_call_local_cudagraph`), so training and scoring forwards of the same model stay eager. The
+    engine captures the graphs when it is built (`DynamicInferenceEngine.create_cuda_graphs`, sizes from
+    `InferenceConfig.num_cuda_graphs`). Off: the config back to no inference graphs (the managers stay,
+    unused)."""
+    from megatron.core.transformer.cuda_graphs import CudaGraphManager
+    from megatron.core.transformer.enums import InferenceCudaGraphScope
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    config = model.config
+    if not on:
+        if config.inference_cuda_graph_scope == InferenceCudaGraphScope.block:
+            config.cuda_graph_impl, config.inference_cuda_graph_scope = "none", InferenceCudaGraphScope.none
+        return
+    config.cuda_graph_impl = "local"
+    config.inference_cuda_graph_scope = InferenceCudaGraphScope.block
+    for m in model.modules():
+        if isinstance(m, TransformerBlock) and not hasattr(m, "cudagraph_manager"):
+            m.cudagraph_manager = CudaGraphManager(config)
+
+
+def _build_engine(model, tokenizer, plan: EnginePlan):
+    """megatron-core's `DynamicInferenceEngine` for `plan`: context, GPT inference wrapper, controller."""
+    from megatron.core.inference.config import InferenceConfig
+    from megatron.core.inference.contexts import DynamicInferenceContext
+    from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
+    from megatron.core.inference.text_generation_controllers.text_generation_controller import (
+        TextGenerationController,
+    )
+
+    set_inference_cuda_graphs(model, plan.cuda_graphs)
+    # At EP > 1 the context sets up buffers for megatron-core's inference-optimized MoE dispatcher whatever
+    # the model's implementation: the default, NVLS, needs NVLink multicast (symmetric memory); NCCL's
+    # all-gather needs nothing special (our models keep their own dispatcher either way).
+    model.config.inference_moe_token_dispatcher_type = "nccl"
+    config = InferenceConfig(block_size_tokens=BLOCK_SIZE_TOKENS, buffer_size_gb=plan.kv_cache_gb,
+                             max_requests=plan.max_requests, max_tokens=plan.max_tokens,
+                             max_sequence_length=plan.max_sequence_length,
+                             num_cuda_graphs=NUM_CUDA_GRAPHS if plan.cuda_graphs else None,
+                             use_cuda_graphs_for_non_decode_steps=plan.non_decode_graphs)
+    context = DynamicInferenceContext(model.config, config)
+    controller = TextGenerationController(GPTInferenceWrapper(model, context), tokenizer)
+    return _dynamic_engine_class()(controller, context)
+
+
+def _dynamic_engine_class() -> type:
+    """megatron-core's `DynamicInferenceEngine`. Its package imports the data-parallel coordinator, whose
+    module calls `faulthandler.enable()`, which needs `sys.stderr` to be a real file: under a captured or
+    redirected stderr (pytest, a notebook) the import runs with the process's own stderr in place."""
+    import sys
+
+    saved = sys.stderr
+    try:
+        saved.fileno()
+    except (AttributeError, OSError, ValueError):
+        sys.stderr = sys.__stderr__
+    try:
+        from megatron.core.inference.engines import DynamicInferenceEngine
+    finally:
+        sys.stderr = saved
+    return DynamicInferenceEngine
+
+
+def _tokens_so_far(record) -> list[int]:
+    """A request's generated tokens, over the pieces of a request the engine evicted and re-queued."""
+    return [t for request in record.requests for t in request.generated_tokens]
+
+
+class _StopStrings:
+    """Ends a request at the token whose addition makes its generated text contain a stop string.
+    megatron-core's own `SamplingParams.stop_words` match token sequences (a stop string tokenized
+    alone), which misses one that ends inside a token or tokenizes differently in context. The engine's
+    controller asks a callback, after sampling and before it updates the requests, which active requests
+    to end (`set_stop_word_finished_ids_callback`): here it decodes the tail of each request's tokens
+    with the newly sampled one. A request ended there keeps that token and stops at once, like one that
+    sampled its end token (no forward pass is spent on it after that)."""
+
+    def __init__(self, engine, tokenizer, stop: Sequence[str]):
+        self.engine, self.tokenizer, self.stop = engine, tokenizer, tuple(stop)
+        self.window = stop_window(self.stop)
+
+    def __call__(self, active_request_ids: list[int]) -> set[int]:
+        sampled = self.engine.controller._sampled_tokens_cuda[: len(active_request_ids)].tolist()
+        done = set()
+        for request_id, token in zip(active_request_ids, sampled):
+            tokens = _tokens_so_far(self.engine.requests[request_id].record)[-self.window:] + [token]
+            if holds_stop(self.tokenizer, tokens, self.stop):
+                done.add(request_id)
+        return done
+
+
+def _run(engine, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_k: int,
+         top_p: float, seed: int, stop_id: int | None, on_tokens, stop: Sequence[str]) -> list[list[int]]:
+    """Queue every prompt, step the engine until all have finished, return their tokens in order."""
+    from megatron.core.inference.inference_request import Status
+    from megatron.core.inference.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, num_tokens_to_generate=max_new_tokens,
+                            termination_id=-1 if stop_id is None else stop_id)
+    engine.controller.sampling_rng.manual_seed(seed)
+    engine.controller.set_stop_word_finished_ids_callback(
+        _StopStrings(engine, tokenizer, stop) if stop else engine._get_and_clear_stop_word_finished_ids)
+    out: list[list[int] | None] = [None] * len(prompts)
+    shown = [0] * len(prompts)
+
+    def final(tokens: list[int]) -> list[int]:
+        # the engine keeps the end token it sampled; ours are the tokens before it
+        return tokens[:-1] if stop_id is not None and tokens and tokens[-1] == stop_id else tokens
+
+    for i, prompt in enumerate(prompts):
+        engine.add_request(i, list(prompt), params)
+    while engine.has_unfinished_requests():
+        step = engine.step_modern()
+        for record in step["finished_request_records"]:
+            request = record.merge()
+            if request.status == Status.FAILED:
+                raise RuntimeError(f"the inference engine refused prompt {request.request_id + 1} "
+                                   f"({len(request.prompt_tokens)} tokens): "
+                                   f"{[e.payload for e in request.events if e.payload is not None]}")
+            out[request.request_id] = final(list(request.generated_tokens))
+        if on_tokens is not None:
+            for i in step["active_request_ids"]:
+                tokens = _tokens_so_far(engine.requests[i].record)
+                if len(tokens) > shown[i]:
+                    shown[i] = len(tokens)
+                    on_tokens(i, tokens)
+            for record in step["finished_request_records"]:
+                i = record.request_id
+                if len(out[i]) > shown[i]:
+                    shown[i] = len(out[i])
+                    on_tokens(i, out[i])
+    return out

@@ -1,0 +1,85 @@
+"""Data builders shared by the CPU tests (fixtures over them live in tests/conftest.py): preference rows
+with a learnable rule, chats with a learnable rule, the arguments of a tiny CPU pretraining run and the
+bundled corpus as an indexed dataset. Tests import these, never each other."""
+
+from __future__ import annotations
+
+import gzip
+import os
+
+import torch
+
+from megatron_patch.testing import TINY_LLAMA
+from megatron_patch.tokenizer import CORPUS, TINY_TOKENIZER
+
+GOOD = "yes right good fine true correct".split()
+BAD = "no wrong bad poor false broken".split()
+TOPICS = "the module returns a list of values when the function is called".split()
+WORDS = ("the module returns a list of values when the function is called with an argument and the "
+         "interpreter raises an error if the name is not defined in the current scope").split()
+
+
+def preferences(n: int, seed: int) -> list[dict]:
+    """Chosen answers use words from GOOD, rejected ones from BAD (random order and length)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def words(pool, k):
+        return " ".join(pool[int(i)] for i in torch.randint(0, len(pool), (k,), generator=g))
+
+    rows = []
+    for _ in range(n):
+        k = int(torch.randint(2, 6, (1,), generator=g))
+        rows.append({"prompt": "Is " + words(TOPICS, 3) + "?", "chosen": words(GOOD, k), "rejected": words(BAD, k)})
+    return rows
+
+
+def conversations(n: int, seed: int = 0) -> list[dict]:
+    """Synthetic chats (and instruction rows) whose answers follow a learnable rule: repeat the words."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        k = int(torch.randint(3, 12, (1,), generator=g))
+        words = [WORDS[int(j)] for j in torch.randint(0, len(WORDS), (k,), generator=g)]
+        text = " ".join(words)
+        if i % 3 == 2:
+            out.append({"instruction": "Repeat the text.", "input": text, "output": text})
+        else:
+            out.append({"messages": [{"role": "system", "content": "You repeat."},
+                                     {"role": "user", "content": f"Repeat: {text}"},
+                                     {"role": "assistant", "content": text}]})
+    return out
+
+
+def corpus_dataset(root: str, documents: int = 400) -> str:
+    """The first `documents` documents of the bundled corpus as a Megatron indexed dataset; its prefix."""
+    from toolkits.preprocess_data import preprocess
+
+    with gzip.open(CORPUS, "rt") as f, open(os.path.join(root, "docs.jsonl"), "w") as out:
+        for _, line in zip(range(documents), f):
+            out.write(line)
+    preprocess([os.path.join(root, "docs.jsonl")], os.path.join(root, "docs"), TINY_TOKENIZER, append_eod=True)
+    return os.path.join(root, "docs_text_document")
+
+
+def pretrain_argv(data: str, save: str, *extra: str, model=("--hf-config", TINY_LLAMA)) -> list[str]:
+    """A tiny CPU pretraining run of `python -m megatron_patch.pretrain`: 15 iterations of 2 micro-batches,
+    saved every 10; `extra` comes last (it wins)."""
+    return [*model, "--data-path", data, "--split", "100,0,0", "--tokenizer-type", "HuggingFaceTokenizer",
+            "--tokenizer-model", TINY_TOKENIZER, "--seq-length", "64", "--micro-batch-size", "2",
+            "--global-batch-size", "4", "--train-iters", "15", "--lr", "3e-3", "--min-lr", "3e-4",
+            "--lr-decay-style", "cosine", "--lr-warmup-iters", "2", "--transformer-impl", "local",
+            "--use-cpu-initialization", "--no-masked-softmax-fusion",
+            "--no-persist-layer-norm", "--no-rope-fusion", "--no-bias-swiglu-fusion", "--distributed-backend",
+            "gloo", "--num-workers", "0", "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000",
+            "--save", save, "--save-interval", "10", "--seed", "1234", "--data-cache-path",
+            os.path.join(os.path.dirname(save), "cache"), *extra]
+
+
+def tiny_lm_folder(path: str) -> str:
+    """A tiny random causal LM saved as an HF folder together with the tiny tokenizer's files."""
+    from megatron_patch.conversion.hf_io import copy_side_files
+    from tests.models import hf_model, llama_config, save_hf
+
+    save_hf(hf_model(llama_config("gqa")), path)
+    copy_side_files(TINY_TOKENIZER, path, ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"])
+    return path
