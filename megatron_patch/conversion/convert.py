@@ -136,16 +136,16 @@ def _manifest(plan: Plan, fmt: str, dtype: torch.dtype, tmp: str) -> dict:
     return fields
 
 
-def hf_to_mcore(hf_dir: str, out: str, tp: int = 1, pp: int = 1, impl: str = "local",
-                dtype: str | None = None, make_vocab_size_divisible_by: int = 128,
-                overwrite: bool = False, fmt: str = "torch_dist", ep: int = 1, allow_nonfinite: bool = False) -> dict:
+def hf_to_mcore(hf_dir: str, out: str, *, layout: Layout = Layout(), impl: str = "local", dtype: str | None = None,
+                fmt: str = "torch_dist", overwrite: bool = False, allow_nonfinite: bool = False) -> dict:
     """HF folder -> Megatron checkpoint (torch_dist or legacy) + HF side files + manifest. torch_dist is
-    stored whole (megatron loads it at any layout); legacy is written per TP x PP x EP rank."""
+    stored whole (megatron loads it at any layout); legacy is written per TP x PP x EP rank of `layout`
+    (whose vocab padding rule applies to both)."""
     if not os.path.isdir(hf_dir):
         raise FileNotFoundError(f"HF folder {hf_dir} does not exist")
     check_output(out, overwrite, [hf_dir])
     hf_config = load_hf_config(hf_dir)
-    plan = make_plan(hf_config, Layout(tp, pp, make_vocab_size_divisible_by, ep), impl, get_family(hf_config))
+    plan = make_plan(hf_config, layout, impl, get_family(hf_config))
     ckpt = HFCheckpoint(hf_dir)
     target = torch_dtype(dtype) if dtype else ckpt.dtype()
     keys = ckpt.keys()
@@ -154,7 +154,7 @@ def hf_to_mcore(hf_dir: str, out: str, tp: int = 1, pp: int = 1, impl: str = "lo
     def run() -> dict:
         with atomic_output_dir(out, overwrite, [hf_dir]) as tmp:
             # the legacy writer reads each stage once per TP x EP rank (one rank file in memory)
-            meter = _Meter(len(keys) * (tp * ep if fmt == "legacy" else 1), f"hf-to-mcore ({fmt})")
+            meter = _Meter(len(keys) * (layout.tp * layout.ep if fmt == "legacy" else 1), f"hf-to-mcore ({fmt})")
             _write_megatron(plan, lambda k: meter.count(ckpt.get(k)), keys, tmp, fmt, target, allow_nonfinite)
             os.makedirs(os.path.join(tmp, HF_SUBDIR))
             copy_side_files(hf_dir, os.path.join(tmp, HF_SUBDIR))
@@ -171,7 +171,7 @@ def _hf_chunks(src: MegatronCheckpoint, dtype: torch.dtype | None, meter: _Meter
         yield chunk
 
 
-def mcore_to_hf(mcore_dir: str, out: str, dtype: str | None = None, max_shard_size: int = 5 * 10**9,
+def mcore_to_hf(mcore_dir: str, out: str, *, dtype: str | None = None, max_shard_size: int = 5 * 10**9,
                 overwrite: bool = False, hf_config: str | None = None, allow_nonfinite: bool = False) -> dict:
     """Megatron checkpoint (either format, ours or written by `megatron.training`) -> HF folder, whose
     config.json states the dtype the tensors are written in."""
@@ -205,7 +205,7 @@ def _write_hf_tensors(folder: str, tensors: Iterable[tuple[str, Tensor]], max_sh
     return files
 
 
-def save_hf_state(hf_tensors: dict[str, Tensor], hf_config: dict, out: str, side_dir: str | None = None,
+def save_hf_state(hf_tensors: dict[str, Tensor], hf_config: dict, out: str, *, side_dir: str | None = None,
                   overwrite: bool = False, max_shard_size: int = 5 * 10**9) -> dict:
     """A model held in memory (e.g. a policy trained outside megatron.training), as HF tensors, written
     as an HF folder the way `mcore_to_hf` writes one: atomically, NaN / Inf refused, the tokenizer and
@@ -222,17 +222,17 @@ def save_hf_state(hf_tensors: dict[str, Tensor], hf_config: dict, out: str, side
     return {"out": os.path.abspath(out), "shards": len(files), "tensors": len(hf_tensors), "dtype": dtype}
 
 
-def mcore_to_mcore(mcore_dir: str, out: str, tp: int | None = None, pp: int | None = None,
-                   impl: str | None = None, fmt: str | None = None, dtype: str | None = None,
-                   make_vocab_size_divisible_by: int | None = None, overwrite: bool = False,
-                   hf_config: str | None = None, ep: int | None = None, allow_nonfinite: bool = False) -> dict:
+def mcore_to_mcore(mcore_dir: str, out: str, *, layout: Layout | Callable[[Layout], Layout] | None = None,
+                   impl: str | None = None, fmt: str | None = None, dtype: str | None = None, overwrite: bool = False,
+                   hf_config: str | None = None, allow_nonfinite: bool = False) -> dict:
     """Megatron -> Megatron with another layout / naming / format / dtype, without an HF folder.
-    Unset options keep the source's value. Streams: the writer pulls tensors from the source one
-    Megatron tensor at a time (a legacy source holds one pipeline stage)."""
+    Unset options keep the source's value; `layout` is the target layout, or a function of the source's
+    (`lambda src: dataclasses.replace(src, tp=2)` changes TP only). Streams: the writer pulls tensors from
+    the source one Megatron tensor at a time (a legacy source holds one pipeline stage)."""
     check_output(out, overwrite, [mcore_dir])
     src = MegatronCheckpoint.open(mcore_dir, hf_config)
-    layout = Layout(tp or src.layout.tp, pp or src.layout.pp,
-                    make_vocab_size_divisible_by or src.layout.make_vocab_size_divisible_by, ep or src.layout.ep)
+    if layout is None or callable(layout):
+        layout = layout(src.layout) if layout else src.layout
     plan = make_plan(src.hf_config, layout, impl or src.impl)
     fmt = fmt or src.format
     target = torch_dtype(dtype) if dtype else src.dtype

@@ -163,15 +163,17 @@ class MegatronCheckpoint:
             del ranks
 
 
-def load_megatron_model(ckpt_dir: str, tp: int = 1, pp: int = 1, impl: str | None = None,
-                        dtype: torch.dtype = torch.float32, hf_config: str | None = None, ep: int = 1):
+def load_megatron_model(ckpt_dir: str, *, layout: Layout = Layout(), impl: str | None = None,
+                        dtype: torch.dtype = torch.float32, hf_config: str | None = None):
     """Build this rank's `GPTModel` for a Megatron checkpoint and load its weights: torch_dist the
     way `megatron.training` does (through the model's sharded state dict, any layout); legacy
-    through the engine (any layout). Returns (model, hf_config)."""
+    through the engine (any layout). `layout`'s TP / PP / EP are this run's (its vocab padding rule is
+    ignored: the checkpoint's embedding size wins). Returns (model, hf_config)."""
     from megatron.core import dist_checkpointing
 
     ckpt = MegatronCheckpoint.open(ckpt_dir, hf_config)
     impl = impl or ckpt.impl
+    tp, pp, ep = layout.tp, layout.pp, layout.ep
     ensure_model_parallel(tp, pp, ep)
     # torch_dist is loaded as stored (its kv-head replication included); legacy goes through HF tensors
     # (multi-latent attention has no query groups to keep)

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from megatron_patch import patches
+from megatron_patch.models.family import Layout
 
 
 def fixed_prompts(vocab_size: int, batch: int = 4, seq: int = 32, seed: int = 1234) -> Tensor:
@@ -120,7 +121,7 @@ _NOT_ARCHITECTURE = {"dtype", "torch_dtype", "transformers_version", "_name_or_p
 def same_model(hf_dir: str, hf_config: dict, where: str) -> None:
     """Refuse comparing two different models: the HF folder's config must describe the model the
     checkpoint holds (same family, and the same megatron-core config after translation)."""
-    from megatron_patch.models import Layout, get_family, load_hf_config
+    from megatron_patch.models import get_family, load_hf_config
 
     ref = load_hf_config(hf_dir)
     family, other = get_family(ref), get_family(hf_config)
@@ -156,20 +157,21 @@ def exact_routing(model) -> None:
         model.config.moe_router_dtype = "fp64"
 
 
-def verify(hf_dir: str, mcore_dir: str, tp: int = 1, pp: int = 1, dtype: torch.dtype | None = None,
+def verify(hf_dir: str, mcore_dir: str, *, layout: Layout = Layout(), dtype: torch.dtype | None = None,
            tolerance: float | None = None, impl: str | None = None, hf_config: str | None = None,
            trust_remote_code: bool = False) -> dict:
     """Run both models on fixed prompts; returns the metrics plus `ok` (finite logits, max diff <=
     tolerance, default `default_tolerance`) and, when not ok, `problem`. `dtype`: the compute dtype of
     both (default: the checkpoint's); the HF weights are rounded to the checkpoint's dtype first.
-    `impl` overrides the implementation recorded at conversion."""
+    `impl` overrides the implementation recorded at conversion; `layout` is the Megatron side's (TP x PP
+    > 1 under torchrun)."""
     from megatron_patch.conversion.megatron_checkpoint import MegatronCheckpoint, load_megatron_model
 
     ckpt = MegatronCheckpoint.open(mcore_dir, hf_config)
     same_model(hf_dir, ckpt.hf_config, mcore_dir)
     dtype = dtype or ckpt.dtype
-    model, config = load_megatron_model(mcore_dir, tp, pp, impl=impl, dtype=dtype, hf_config=hf_config)
-    from megatron_patch.models import Layout, get_family
+    model, config = load_megatron_model(mcore_dir, layout=layout, impl=impl, dtype=dtype, hf_config=hf_config)
+    from megatron_patch.models import get_family
 
     vocab = get_family(config).shapes(config, Layout()).vocab_size
     if dtype == torch.float32:
@@ -190,7 +192,7 @@ def verify(hf_dir: str, mcore_dir: str, tp: int = 1, pp: int = 1, dtype: torch.d
         result = compare(ref, cand)
         problem = (f"max abs logit diff {result['max_abs_logit_diff']:.3g} exceeds {tolerance:g}"
                    if result["max_abs_logit_diff"] > tolerance else None)
-    result.update(tolerance=tolerance, tp=tp, pp=pp, dtype=str(dtype).removeprefix("torch."),
+    result.update(tolerance=tolerance, tp=layout.tp, pp=layout.pp, dtype=str(dtype).removeprefix("torch."),
                   checkpoint_dtype=str(ckpt.dtype).removeprefix("torch."), impl=run_impl, ok=problem is None)
     if problem:
         result["problem"] = problem

@@ -22,8 +22,9 @@ def load_model(mcore_dir: str | None, hf_dir: str | None, tp: int = 1, pp: int =
     dtype = dtype or torch.float32
     if mcore_dir:
         from megatron_patch.conversion.megatron_checkpoint import load_megatron_model
+        from megatron_patch.models import Layout
 
-        return load_megatron_model(mcore_dir, tp, pp, impl, dtype, ep=ep)
+        return load_megatron_model(mcore_dir, layout=Layout(tp, pp, ep=ep), impl=impl, dtype=dtype)
     from megatron_patch.conversion.engine import load_hf_into_rank, make_plan
     from megatron_patch.conversion.hf_io import HFCheckpoint
     from megatron_patch.models import Layout, build_model, get_family, load_hf_config

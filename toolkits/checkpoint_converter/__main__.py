@@ -96,6 +96,14 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _layout(args: argparse.Namespace, base):
+    """`base` (a Layout) with the layout options given on the command line; the others keep base's value."""
+    import dataclasses
+
+    given = {field: getattr(args, field, None) for field in ("tp", "pp", "ep", "make_vocab_size_divisible_by")}
+    return dataclasses.replace(base, **{k: v for k, v in given.items() if v is not None})
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
 
@@ -103,27 +111,27 @@ def main(argv: list[str] | None = None) -> int:
         # imported here: --help and argument errors must not wait for torch and megatron-core
         from megatron_patch.conversion import convert
         from megatron_patch.conversion.hf_io import parse_size
+        from megatron_patch.models import Layout
 
         if args.command == "hf-to-mcore":
-            return convert.hf_to_mcore(args.hf_dir, args.out, tp=args.tp, pp=args.pp, impl=args.impl,
-                                       dtype=args.dtype, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-                                       overwrite=args.overwrite, fmt=args.format, ep=args.ep,
+            return convert.hf_to_mcore(args.hf_dir, args.out, layout=_layout(args, Layout()), impl=args.impl,
+                                       dtype=args.dtype, fmt=args.format, overwrite=args.overwrite,
                                        allow_nonfinite=args.allow_nonfinite)
         if args.command == "mcore-to-hf":
             return convert.mcore_to_hf(args.mcore_dir, args.out, dtype=args.dtype,
                                        max_shard_size=parse_size(args.max_shard_size), overwrite=args.overwrite,
                                        hf_config=args.hf_config, allow_nonfinite=args.allow_nonfinite)
         if args.command == "mcore-to-mcore":
-            return convert.mcore_to_mcore(args.mcore_dir, args.out, tp=args.tp, pp=args.pp, impl=args.impl,
-                                          fmt=args.format, dtype=args.dtype,
-                                          make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-                                          overwrite=args.overwrite, hf_config=args.hf_config, ep=args.ep,
+            return convert.mcore_to_mcore(args.mcore_dir, args.out, layout=lambda src: _layout(args, src),
+                                          impl=args.impl, fmt=args.format, dtype=args.dtype,
+                                          overwrite=args.overwrite, hf_config=args.hf_config,
                                           allow_nonfinite=args.allow_nonfinite)
         from megatron_patch.conversion.verify import verify
         from megatron_patch.names import torch_dtype
 
-        return verify(args.hf_dir, args.mcore_dir, args.tp, args.pp, torch_dtype(args.dtype) if args.dtype else None,
-                      args.tolerance, args.impl, args.hf_config, args.trust_remote_code)
+        return verify(args.hf_dir, args.mcore_dir, layout=_layout(args, Layout()),
+                      dtype=torch_dtype(args.dtype) if args.dtype else None, tolerance=args.tolerance,
+                      impl=args.impl, hf_config=args.hf_config, trust_remote_code=args.trust_remote_code)
 
     code, result = run(work)
     if code:
