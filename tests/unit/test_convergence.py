@@ -1,0 +1,112 @@
+"""benchmarks/convergence.py on CPU: the corpus builder (one document per distinct text file, licences
+recorded, tokenized, too small refused), Megatron's log parsed into numbers (a continued run's repeated
+iterations: the later wins), the summary's arithmetic (difference to BF16 in percent, spikes, tokens/s)
+and the figures written from a small log."""
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+from megatron_patch.tokenizer import TINY_TOKENIZER
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def conv():
+    spec = importlib.util.spec_from_file_location("convergence", os.path.join(ROOT, "benchmarks", "convergence.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+LOG = """\
+ [2026-12-01 10:00:00] iteration        1/      20 | consumed samples:           32 | elapsed time per iteration (ms): 900.0 | throughput per GPU (TFLOP/s/GPU): 100.0 | learning rate: 3.0E-04 | global batch size:    32 | lm loss: 1.100000E+01 | loss scale: 1.0 | grad norm: 5.000 |
+ [2026-12-01 10:00:01] iteration        2/      20 | consumed samples:           64 | elapsed time per iteration (ms): 500.0 | throughput per GPU (TFLOP/s/GPU): 300.0 | learning rate: 3.0E-04 | global batch size:    32 | lm loss: 1.000000E+01 | loss scale: 1.0 | grad norm: 4.000 |
+ validation loss at iteration 2 | lm loss value: 9.500000E+00 | lm loss PPL: 1.3E+04 |
+ [2026-12-01 10:00:02] iteration        2/      20 | consumed samples:           64 | elapsed time per iteration (ms): 520.0 | throughput per GPU (TFLOP/s/GPU): 290.0 | learning rate: 3.0E-04 | global batch size:    32 | lm loss: 9.900000E+00 | loss scale: 1.0 | grad norm: 4.000 |
+"""  # noqa: E501
+
+
+def test_log_parsed_into_numbers(conv):
+    parsed = conv.parse_log(LOG)
+    assert sorted(parsed["iterations"]) == [1, 2]
+    assert parsed["iterations"][1] == {"samples": 32.0, "ms": 900.0, "tflops": 100.0, "lr": 3e-4, "loss": 11.0,
+                                       "grad_norm": 5.0}
+    assert parsed["iterations"][2]["loss"] == 9.9 and parsed["iterations"][2]["ms"] == 520.0  # the later line
+    assert parsed["held_out"] == {2: 9.5}
+
+
+def _run(name, model, losses, held, ms=500.0):
+    tokens = 2048 * 32
+    return {"run": name, "model": model,
+            "train": [{"iteration": i + 1, "tokens": (i + 1) * tokens, "loss": v, "ms": ms, "tflops": 400.0}
+                      for i, v in enumerate(losses)],
+            "held_out": [{"iteration": len(losses), "tokens": len(losses) * tokens, "loss": held}]}
+
+
+def test_summary_arithmetic_and_figures(conv, tmp_path):
+    flat = [5.0 - 0.01 * i for i in range(60)]
+    spiky = list(flat)
+    spiky[40] = 9.0  # one spike
+    runs = {"bf16": _run("bf16", "400m", flat, 4.0),
+            "fp8-delayed": _run("fp8-delayed", "400m", spiky, 4.02, ms=400.0)}
+    rows = {r["run"]: r for r in conv.summary(runs)}
+    assert rows["bf16"]["vs_bf16_pct"] is None and rows["bf16"]["spikes"] == []
+    assert rows["fp8-delayed"]["vs_bf16_pct"] == pytest.approx(0.5)
+    assert rows["fp8-delayed"]["spikes"] == [41]  # iteration numbers, not indices
+    assert rows["fp8-delayed"]["tokens_per_s"] == round(2048 * 32 / 0.4)
+    written = conv.plot(runs, str(tmp_path / "figures"))
+    assert [os.path.basename(p) for p in written] == ["loss_vs_tokens.png", "fp8_minus_bf16.png", "throughput.png"]
+    for path in written:
+        with open(path, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_command_from_logged_json(conv, tmp_path, capsys):
+    (tmp_path / "runs").mkdir()
+    for name, held in (("bf16", 4.0), ("fp8-delayed", 4.01)):
+        conv.write_run(str(tmp_path), name, LOG.replace("9.500000E+00", f"{held:.6E}"))
+    assert conv.main(["plot", str(tmp_path), "--figures", str(tmp_path / "fig")]) == 0
+    out = capsys.readouterr().out
+    assert "| fp8-delayed | 0.1M | 4.0100 | +0.25% | 0 |" in out
+    assert json.load(open(tmp_path / "summary.json"))[1]["run"] == "fp8-delayed"
+    assert (tmp_path / "fig" / "loss_vs_tokens.png").is_file()
+
+
+def test_corpus_one_document_per_distinct_file_with_licences(conv, tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.py").write_text("def f():\n    return 1\n" * 20)
+    (src / "b.md").write_text("# Title\n\nSome documentation text.\n" * 10)
+    (src / "copy.py").write_text("def f():\n    return 1\n" * 20)  # a duplicate of a.py
+    (src / "data.bin").write_bytes(b"\x00\x01")  # not text
+    files = [str(p) for p in src.iterdir()]
+    report = conv.build_corpus(str(tmp_path / "out"), TINY_TOKENIZER, min_tokens=10, workers=1,
+                               source_list=[("pkg", "MIT", files)])
+    assert report["documents"] == 2 and report["sources"] == {"pkg": {"licence": "MIT", "files": 2,
+                                                                       "bytes": report["bytes"]}}
+    assert report["tokens"] > 100
+    assert os.path.isfile(tmp_path / "out" / "corpus_text_document.bin")
+    assert json.load(open(tmp_path / "out" / "corpus.json"))["held_out_split"] == "98,2,0"
+    with pytest.raises(ValueError, match=r"fewer than --min-tokens 1,000,000,000"):
+        conv.build_corpus(str(tmp_path / "out2"), TINY_TOKENIZER, min_tokens=10**9, source_list=[("pkg", "MIT", files)])
+
+
+def test_runs_use_the_same_seed_data_and_schedule(conv, tmp_path):
+    base = conv.train_command(str(tmp_path), "bf16", 20_000_000, 1, TINY_TOKENIZER, 1000, 100)
+    fp8 = conv.train_command(str(tmp_path), "fp8-tensorwise", 20_000_000, 1, TINY_TOKENIZER, 1000, 100,
+                             until_tokens=10_000_000)
+    strip = {"--precision", "--fp8-recipe", "--save", "--load", "--hf-config", "--exit-interval"}
+
+    def common(cmd):
+        return [a for i, a in enumerate(cmd) if a not in strip and cmd[i - 1] not in strip]
+
+    assert common(base) == common(fp8)
+    assert fp8[fp8.index("--fp8-recipe") + 1] == "tensorwise"
+    assert base[base.index("--train-iters") + 1] == str(20_000_000 // (2048 * 32))
+    assert fp8[fp8.index("--exit-interval") + 1] == str(10_000_000 // (2048 * 32))
+    cfg = json.load(open(tmp_path / "runs" / "bf16.config.json"))
+    assert cfg["hidden_size"] == 1024 and cfg["tie_word_embeddings"] is True
