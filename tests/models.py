@@ -35,6 +35,12 @@ LLAMA_VARIANTS: dict[str, dict] = {
     "geglu": {"hidden_act": "gelu"},
     # Yi as re-released (LlamaForCausalLM), Yi-6B-like shape ratios
     "yi_llama": {"rope_theta": 5000000.0, "num_key_value_heads": 4, "vocab_size": 1024},
+    # InternLM-1 / "llamafied" checkpoints: q/k/v/o biased, the MLP not
+    "attn_bias_only": {"attention_bias": True, "mlp_bias": False},
+    # llama3 scaling from a 4k pretraining context (megatron-core's GPTModel assumes 8192)
+    "llama3_rope_4k": {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 4096},
+                       "max_position_embeddings": 16384},
 }
 
 
@@ -127,6 +133,22 @@ OTHER_VARIANTS: dict[str, dict] = {
                     "topk_method": "greedy", "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.5,
                     "norm_topk_prob": False, "rope_theta": 10000.0, "max_position_embeddings": 256,
                     "rms_norm_eps": 1e-6, "tie_word_embeddings": False},
+    # GPT-J-6B's shape ratios: rotary on a quarter of each head (interleaved pairs), one shared norm,
+    # attention and MLP in parallel, MLP and lm_head biased, attention not
+    "gptj": {"architectures": ["GPTJForCausalLM"], "model_type": "gptj", "vocab_size": 1000, "n_embd": 64,
+             "n_head": 4, "n_layer": 4, "rotary_dim": 4, "n_positions": 256, "activation_function": "gelu_new",
+             "layer_norm_epsilon": 1e-5, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2},
+    # Pythia: parallel residual (two norms), rotary_pct 0.25 (GPT-NeoX-library keys), biases everywhere
+    "gpt_neox": {"architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox", "vocab_size": 1000,
+                 "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 4, "intermediate_size": 160,
+                 "rotary_pct": 0.25, "rotary_emb_base": 10000, "use_parallel_residual": True, "hidden_act": "gelu",
+                 "layer_norm_eps": 1e-5, "max_position_embeddings": 256, "tie_word_embeddings": False},
+    # sequential blocks, no attention biases, transformers 5's rope_parameters keys
+    "gpt_neox_seq": {"architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox", "vocab_size": 1000,
+                     "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 4, "intermediate_size": 160,
+                     "rope_parameters": {"rope_type": "default", "rope_theta": 50000.0, "partial_rotary_factor": 0.5},
+                     "use_parallel_residual": False, "attention_bias": False, "hidden_act": "gelu_new",
+                     "layer_norm_eps": 1e-5, "max_position_embeddings": 256},
     # sequential blocks, MHA, biases
     "falcon_seq": {"architectures": ["FalconForCausalLM"], "model_type": "falcon", "vocab_size": 1000,
                    "hidden_size": 64, "num_attention_heads": 8, "num_hidden_layers": 4, "multi_query": False,
@@ -173,12 +195,18 @@ def case(variant: str) -> Case:
     return Case(cfg, checkpoint_state_dict(hf), hf)
 
 
+# models transformers 5 holds under other names in memory than it writes (GPT-NeoX: `lm_head` / `embed_out`)
+_RENAMED_ON_SAVE = ("gpt_neox",)
+
+
 def checkpoint_state_dict(hf) -> dict[str, torch.Tensor]:
     """The tensors as a checkpoint stores them. transformers 5 holds mixture-of-experts weights fused
-    in memory (`experts.gate_up_proj`) and writes the per-expert names of released checkpoints, so
-    those models go through `save_pretrained`; the others' state dict is already what it writes."""
+    in memory (`experts.gate_up_proj`) and writes the per-expert names of released checkpoints, and
+    renames a few tensors on save (`_RENAMED_ON_SAVE`), so those models go through `save_pretrained`; the
+    others' state dict is already what it writes."""
     sd = hf.state_dict()
-    if not any(".experts." in k and "." not in k.rsplit(".experts.", 1)[1] for k in sd):
+    fused = any(".experts." in k and "." not in k.rsplit(".experts.", 1)[1] for k in sd)
+    if not fused and hf.config.model_type not in _RENAMED_ON_SAVE:
         return sd
     import tempfile
 

@@ -9,8 +9,8 @@ A family is a subclass that states facts and nothing else:
   `intermediate_size`, `num_key_value_heads`, `rms_norm_eps`, `rope_theta`, ...), for remote-code
   families whose configs name things differently;
 - `defaults`: keys its transformers class fills in when a config.json omits them;
-- the switches below (`qkv_bias`, `linear_bias`, `qk_layernorm`, `norm`, `gated_mlp`,
-  `rotary_interleaved`, `rotary_fraction`, `sliding_window`, `post_norms`, `norm_head`).
+- the switches below (`qkv_bias`, `attn_out_bias`, `linear_bias`, `qk_layernorm`, `norm`, `gated_mlp`,
+  `rotary_interleaved`, `rotary_fraction`, `sliding_window`, `post_norms`, `norm_head`, `output_bias`).
 
 The weight map, `TransformerConfig` fields, `GPTModel` kwargs and layer specs are derived from those
 facts here once, so family files hold no mapping blocks of their own.
@@ -113,8 +113,14 @@ class DenseDecoder(ModelFamily):
         """Biases on q/k/v (megatron-core `add_qkv_bias`)."""
         return self.linear_bias(c)
 
+    def attn_out_bias(self, c: ArchConfig) -> bool:
+        """A bias on the attention output projection (o_proj); megatron-core ties it to `linear_bias`,
+        a family stating otherwise gets `modules/attn_bias.py`."""
+        return self.linear_bias(c)
+
     def linear_bias(self, c: ArchConfig) -> bool:
-        """Biases on every linear layer (megatron-core `add_bias_linear`: o_proj and the MLP too)."""
+        """Biases on every linear layer (megatron-core `add_bias_linear`: o_proj and the MLP too; a family
+        whose attention is biased otherwise states `qkv_bias` / `attn_out_bias`)."""
         attn, mlp = bool(c.get("attention_bias", False)), bool(c.get("mlp_bias", False))
         if attn != mlp:
             raise UnsupportedConfig(
@@ -147,6 +153,10 @@ class DenseDecoder(ModelFamily):
 
     def norm_head(self, c: ArchConfig) -> bool:
         """Baichuan2's NormHead: lm_head rows L2-normalised in every forward."""
+        return False
+
+    def output_bias(self, c: ArchConfig) -> bool:
+        """A bias on the output layer (GPT-J's `lm_head.bias`; `modules/output_bias.py`)."""
         return False
 
     # ---- derived ----------------------------------------------------------------------------
@@ -209,12 +219,7 @@ class DenseDecoder(ModelFamily):
         if kind == "linear":
             return {**kw, "seq_len_interpolation_factor": float(scaling["factor"])}
         if kind == "llama3":
-            fixed = {k: float(scaling.get(k, v)) for k, v in _MCORE_LLAMA3_FIXED.items()}
-            if fixed != _MCORE_LLAMA3_FIXED:
-                raise UnsupportedConfig(
-                    f"llama3 rope_scaling with {fixed}: megatron-core only implements "
-                    f"{_MCORE_LLAMA3_FIXED} (factor is free)"
-                )
+            self.llama3_parameters(c)  # other low/high_freq_factor, original_max_position_embeddings: `finalize`
             return {**kw, "rope_scaling": True, "rope_scaling_factor": float(scaling["factor"])}
         if kind == "dynamic":
             # Dynamic NTK only rescales the frequencies for sequences longer than
@@ -224,6 +229,19 @@ class DenseDecoder(ModelFamily):
                           "not rescale beyond it", stacklevel=2)
             return kw
         raise UnsupportedConfig(f"rope_scaling of type {kind!r} (supported: llama3, linear, dynamic)")
+
+    def llama3_parameters(self, c: ArchConfig) -> dict | None:
+        """llama3 rope scaling's parameters when they are not the ones megatron-core's `GPTModel` builds
+        with (it passes only `factor`), else None."""
+        _, scaling = rope_parameters(c)
+        if scaling is None or scaling["rope_type"] != "llama3":
+            return None
+        fixed = {k: float(scaling.get(k, v)) for k, v in _MCORE_LLAMA3_FIXED.items()}
+        if fixed == _MCORE_LLAMA3_FIXED:
+            return None
+        if fixed["high_freq_factor"] <= fixed["low_freq_factor"]:
+            raise UnsupportedConfig(f"llama3 rope_scaling with high_freq_factor <= low_freq_factor: {fixed}")
+        return {**fixed, "factor": float(scaling["factor"])}
 
     def rotary_fraction(self, c: ArchConfig) -> float:
         params = c.get("rope_parameters") or {}
@@ -252,6 +270,14 @@ class DenseDecoder(ModelFamily):
             from megatron_patch.models.modules.alibi import with_alibi
 
             spec = with_alibi(spec, impl)
+        # megatron-core biases linear_qkv when add_bias_linear or add_qkv_bias, linear_proj when add_bias_linear
+        linear, proj = self.linear_bias(c), self.attn_out_bias(c)
+        unbiased_qkv = linear and not self.qkv_bias(c)
+        if unbiased_qkv or proj != linear:
+            from megatron_patch.models.modules.attn_bias import with_attention_biases
+
+            spec = with_attention_biases(spec, qkv=False if unbiased_qkv else None,
+                                         proj=proj if proj != linear else None)
         if self.parallel_attention(c):
             from megatron_patch.models.modules.parallel_attn import with_parallel_attention
 
@@ -269,6 +295,16 @@ class DenseDecoder(ModelFamily):
             from megatron_patch.models.modules.embedding_norm import add_embedding_norm
 
             add_embedding_norm(model, norm_class(model.config.transformer_impl))
+        if self.output_bias(c) and getattr(model, "post_process", False):
+            from megatron_patch.models.modules.output_bias import add_output_bias
+
+            add_output_bias(model)
+        llama3 = self.llama3_parameters(c)
+        if llama3 is not None and self.positions(c) == "rope":
+            from megatron_patch.models.modules.rope_scaling import use_llama3_scaling
+
+            gk = self.gpt_kwargs(c)
+            use_llama3_scaling(model, rotary_base=gk["rotary_base"], rotary_percent=gk["rotary_percent"], **llama3)
 
     def weight_map(self, hf_config: Any) -> list[Mapping | Drop]:
         c = self.canonical(hf_config)
@@ -301,7 +337,8 @@ class DenseDecoder(ModelFamily):
         bias = ["weight", "bias"] if self.linear_bias(c) else ["weight"]
         norm(n.input_norm, "input_layernorm")
         linear(QKV, n.qkv, "self_attention.linear_qkv", ["weight", "bias"] if self.qkv_bias(c) else ["weight"])
-        linear(RowParallel, n.attn_out, "self_attention.linear_proj", bias)
+        linear(RowParallel, n.attn_out, "self_attention.linear_proj", ["weight", "bias"] if self.attn_out_bias(c)
+               else ["weight"])
         if self.qk_layernorm(c):
             norm(n.q_norm, "self_attention.q_layernorm")
             norm(n.k_norm, "self_attention.k_layernorm")
@@ -322,6 +359,8 @@ class DenseDecoder(ModelFamily):
             m.append(Drop(f"{n.lm_head}.weight", f"tied to {n.embed}.weight"))
         else:
             m.append(VocabParallel(f"{n.lm_head}.weight", "output_layer.weight"))
+        if self.output_bias(c):
+            m.append(VocabParallel(f"{n.lm_head}.bias", "output_layer.bias"))
         return m
 
     # ---- Megatron config -> HF config.json (LLaMA-named; families rename or drop keys) -------
@@ -341,7 +380,7 @@ class DenseDecoder(ModelFamily):
             "head_dim": config.kv_channels,
             "hidden_act": next(k for k, f in _ACTIVATIONS.items() if f is config.activation_func),
             "rms_norm_eps": config.layernorm_epsilon,
-            "attention_bias": config.add_bias_linear,
+            "attention_bias": config.add_qkv_bias,
             "mlp_bias": config.add_bias_linear,
             "attention_dropout": config.attention_dropout,
             "initializer_range": config.init_method_std,

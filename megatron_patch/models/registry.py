@@ -32,6 +32,8 @@ _FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "bloom": ("megatron_patch.models.bloom", ("BloomForCausalLM",)),
     "falcon": ("megatron_patch.models.falcon", ("FalconForCausalLM", "RWForCausalLM")),
     "gpt_bigcode": ("megatron_patch.models.gpt_bigcode", ("GPTBigCodeForCausalLM",)),
+    "gptj": ("megatron_patch.models.gptj", ("GPTJForCausalLM",)),
+    "gpt_neox": ("megatron_patch.models.gpt_neox", ("GPTNeoXForCausalLM",)),
     "chatglm": ("megatron_patch.models.glm:CHATGLM", ("ChatGLMModel", "ChatGLMForConditionalGeneration")),
     "mixtral": ("megatron_patch.models.moe:MIXTRAL", ("MixtralForCausalLM",)),
     "qwen2_moe": ("megatron_patch.models.moe:QWEN2_MOE", ("Qwen2MoeForCausalLM",)),
@@ -104,7 +106,7 @@ _SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads
           "intermediate_size", "head_dim", "n_embd", "n_layer", "n_head", "num_layers", "ffn_hidden_size",
           "kv_channels", "multi_query_group_num", "max_position_embeddings", "num_local_experts",
           "num_experts_per_tok", "moe_intermediate_size", "n_routed_experts", "kv_lora_rank", "q_lora_rank",
-          "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+          "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rotary_dim", "n_inner", "n_positions")
 
 
 def load_hf_config(path: str | os.PathLike) -> dict:

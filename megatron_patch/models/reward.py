@@ -122,7 +122,7 @@ class RewardFamily(ModelFamily):
     def weight_map(self, hf_config: Any):
         out = []
         for m in self.base.weight_map(hf_config):
-            head = isinstance(m, VocabParallel) and m.megatron == "output_layer.weight"
+            head = isinstance(m, VocabParallel) and m.megatron.startswith("output_layer.")  # weight (and bias: GPT-J)
             tied_drop = isinstance(m, Drop) and "{layer}" not in m.hf and m.hf.endswith("lm_head.weight")
             if not (head or tied_drop):
                 out.append(m)

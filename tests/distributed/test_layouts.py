@@ -25,6 +25,7 @@ VARIANTS = [
     "baichuan", "baichuan2", "internlm2", "internlm2_dynamic_rope", "yi", "yi_llama",
     "chatglm2", "glm4_chat", "bloom", "bloom_6heads", "starcoder", "starcoder_mha",
     "baichuan_13b", "baichuan2_13b", "falcon_7b", "falcon_40b", "falcon_11b", "falcon_seq",
+    "gptj", "gpt_neox", "gpt_neox_seq", "attn_bias_only", "llama3_rope_4k",
     "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3",
 ]
 MOE_VARIANTS = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3"]

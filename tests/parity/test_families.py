@@ -34,7 +34,8 @@ def test_round_trip_tp2_pp2_bitwise(variant, impl):
 # one config per family (the family is found from config.json's architectures alone)
 FAMILY_REPRESENTATIVES = ["qwen2", "qwen3", "mistral_swa", "starcoder2", "glm", "glm4", "qwen1", "baichuan2",
                           "internlm2", "yi", "chatglm2", "bloom", "starcoder", "baichuan2_13b", "falcon_7b",
-                          "falcon_40b", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3"]
+                          "falcon_40b", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "gptj",
+                          "gpt_neox", "gpt_neox_seq", "attn_bias_only"]
 
 
 @pytest.mark.parametrize("fmt,impl", [("legacy", "transformer_engine"), ("torch_dist", "local")])
@@ -76,6 +77,23 @@ def test_family_tensors_land_where_megatron_core_expects():
     assert "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in f7
     assert not any("linear_fc1.layer_norm" in n or "pre_mlp_layernorm" in n for n in f7)
     assert "decoder.layers.0.mlp.linear_fc1.layer_norm_weight" in names("falcon_40b", "transformer_engine")
+    # GPT-J: MLP and output layer biased, attention not; one shared norm
+    gj = names("gptj", "transformer_engine")
+    assert {"decoder.layers.0.mlp.linear_fc1.bias", "decoder.layers.0.self_attention.linear_qkv.layer_norm_bias",
+            "output_layer.bias"} <= gj
+    assert not any(n.endswith(("linear_qkv.bias", "linear_proj.bias")) or "pre_mlp_layernorm" in n for n in gj)
+    # GPT-NeoX: two norms with a parallel residual; attention_bias false keeps the MLP's biases only
+    assert "decoder.layers.0.mlp.linear_fc1.layer_norm_bias" in names("gpt_neox", "transformer_engine")
+    assert {"decoder.layers.0.self_attention.linear_proj.bias", "decoder.layers.0.self_attention.linear_qkv.bias"} \
+        <= names("gpt_neox")
+    neox_seq = names("gpt_neox_seq")
+    assert "decoder.layers.0.mlp.linear_fc2.bias" in neox_seq and not any("self_attention" in n and n.endswith(".bias")
+                                                                          for n in neox_seq)
+    # LLaMA attention_bias without mlp_bias: q/k/v/o biased, MLP not
+    llama = names("attn_bias_only")
+    assert {"decoder.layers.0.self_attention.linear_qkv.bias",
+            "decoder.layers.0.self_attention.linear_proj.bias"} <= llama
+    assert not any("mlp" in n and n.endswith(".bias") for n in llama)
 
 
 def test_config_translation():
@@ -97,6 +115,13 @@ def test_config_translation():
     assert get_family(chat).config_kwargs(chat)["num_query_groups"] == 4
     q1 = case("qwen1").cfg
     assert get_family(q1).config_kwargs(q1)["ffn_hidden_size"] == q1["intermediate_size"] // 2
+    gj = get_family("gptj")
+    assert gj.gpt_kwargs(family_config("gptj"))["rotary_percent"] == 0.25
+    assert gj.config_kwargs(family_config("gptj"))["rotary_interleaved"]
+    neox = get_family("gpt_neox")
+    assert neox.gpt_kwargs(family_config("gpt_neox"))["rotary_percent"] == 0.25
+    assert (neox.gpt_kwargs(family_config("gpt_neox_seq"))["rotary_percent"],
+            neox.gpt_kwargs(family_config("gpt_neox_seq"))["rotary_base"]) == (0.5, 50000.0)
 
 
 @pytest.mark.parametrize("variant,overrides,match", [
@@ -113,6 +138,9 @@ def test_config_translation():
     ("baichuan", {"position_embedding": "learned"}, "position_embedding"),
     ("falcon_7b", {"alibi": True}, "alibi"),
     ("falcon_40b", {"parallel_attn": False}, "parallel_attn"),
+    ("gptj", {"rotary_dim": None}, "rotary_dim"),
+    ("gptj", {"rotary_dim": 5}, "rotary_dim"),
+    ("gpt_neox", {"hidden_act": "relu"}, "hidden_act"),
 ])
 def test_refusals(variant, overrides, match):
     cfg = case(variant).cfg if variant in REMOTE_VARIANTS else family_config(variant)

@@ -21,7 +21,10 @@ def test_unknown_architecture_names_it():
         get_family({"architectures": ["GPT2LMHeadModel"]})
 
 
-def test_register_plugin():
+def test_register_plugin(monkeypatch):
+    from megatron_patch.models import registry
+
+    monkeypatch.setattr(registry, "_FAMILIES", dict(registry._FAMILIES))  # the alias does not outlive the test
     register("llama_alias", "megatron_patch.models.llama", ("MyLlamaForCausalLM",))
     assert get_family({"architectures": ["MyLlamaForCausalLM"]}).name == "llama"
 
@@ -40,13 +43,27 @@ def test_config_translation():
     assert gk["rope_scaling"] and gk["rope_scaling_factor"] == 8.0 and gk["rotary_base"] == 500000.0
     assert fam.gpt_kwargs(llama_config("linear_rope"))["seq_len_interpolation_factor"] == 4.0
     assert fam.gpt_kwargs(llama_config("tied"))["share_embeddings_and_output_weights"]
+    # llama3 scaling: megatron-core's GPTModel takes the factor; other parameters are the family's to apply
+    assert fam.llama3_parameters(llama_config("llama3_rope")) is None
+    assert fam.llama3_parameters(llama_config("llama3_rope_4k")) == {
+        "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 4096.0}
+    ck = fam.config_kwargs(llama_config("attn_bias_only"))
+    assert (ck["add_qkv_bias"], ck["add_bias_linear"]) == (True, False)
+    assert fam.attn_out_bias(fam.canonical(llama_config("attn_bias_only")))
+
+
+def test_new_families_resolve():
+    from tests.models import family_config
+
+    assert get_family("GPTJForCausalLM").name == "gptj"
+    assert get_family(family_config("gpt_neox_seq")).name == "gpt_neox"
+    assert get_family("gpt_neox").names.lm_head == "embed_out"  # what transformers writes (lm_head in memory)
 
 
 @pytest.mark.parametrize("overrides,match", [
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
-    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0,
-                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}, "llama3"),
-    ({"attention_bias": True, "mlp_bias": False}, "attention_bias"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0,
+                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}, "high_freq_factor"),
     ({"hidden_act": "relu"}, "hidden_act"),
 ])
 def test_unsupported_configs_raise_clearly(overrides, match):
@@ -64,7 +81,8 @@ def test_megatron_config_back_to_hf(cpu_megatron):
     from megatron_patch.models import transformer_config
 
     for variant in ("gqa", "tied", "llama3_rope", "linear_rope", "bias", "head_dim", "geglu", "qwen2", "qwen3",
-                    "mistral", "mistral_swa", "starcoder2", "starcoder2_swa", "glm", "glm_tied", "glm4"):
+                    "mistral", "mistral_swa", "starcoder2", "starcoder2_swa", "glm", "glm_tied", "glm4",
+                    "attn_bias_only", "gptj"):
         cfg = any_config(variant)
         fam = get_family(cfg)
         back = fam.hf_config_from_megatron(transformer_config(cfg), fam.gpt_kwargs(cfg), cfg["vocab_size"])
@@ -83,6 +101,11 @@ def test_remote_code_families_need_their_config(cpu_megatron):
     cfg = case("qwen1").cfg
     fam = get_family(cfg)
     with pytest.raises(UnsupportedConfig, match="remote-code"):
+        fam.hf_config_from_megatron(transformer_config(cfg), fam.gpt_kwargs(cfg), cfg["vocab_size"])
+    # GPT-NeoX's block shape (use_parallel_residual) is in its layer spec, not in Megatron's config
+    cfg = any_config("gpt_neox")
+    fam = get_family(cfg)
+    with pytest.raises(UnsupportedConfig, match="use_parallel_residual"):
         fam.hf_config_from_megatron(transformer_config(cfg), fam.gpt_kwargs(cfg), cfg["vocab_size"])
 
 
