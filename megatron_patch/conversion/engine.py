@@ -319,7 +319,7 @@ def extra_state_names(plan: Plan, stage: int) -> set[str]:
     linear layer keeps one (megatron-core's own linears too, for TE compatibility), the last stage's
     output layer included (also when its weight is tied); Transformer Engine adds one per core
     attention and one per norm it does not fuse into a linear (final, q/k and post-sublayer norms).
-    Checked against real models in tests/test_formats.py (local) and tests/gpu/ (TE, on the device)."""
+    Checked against real models in tests/e2e/test_formats.py (local) and tests/gpu/ (TE, on the device)."""
     names = {n.rsplit(".", 1)[0] + "._extra_state" for n in plan.megatron_names(stage)
              if n.startswith("decoder.layers.") and ".linear_" in n}
     if stage == plan.layout.pp - 1:
@@ -343,6 +343,10 @@ def load_hf_into_rank(model: torch.nn.Module, plan: Plan, get: Callable[[str], T
     rank = current_rank()
     state = hf_to_megatron(plan, get, hf_keys, dtype, stages=[rank.pp], tp_ranks=[rank.tp], ep_ranks=[rank.ep],
                            etp_rank=current_etp_rank())[rank]
+    if getattr(model, "hybrid_layer_pattern", None) is not None:  # a HybridModel (models/hybrid.py)
+        from megatron_patch.models.hybrid import to_hybrid_names
+
+        state = to_hybrid_names(state)
     own = model.state_dict()
     for name in keep:
         state.pop(name, None)

@@ -16,6 +16,8 @@ from megatron_patch.models.parallel import ensure_model_parallel
 from megatron_patch.models.registry import get_family
 from megatron_patch.names import IMPLS
 
+MODEL_CLASSES = ("gpt", "hybrid")  # megatron-core's GPTModel, or its HybridModel (models/hybrid.py)
+
 
 def transformer_engine_available() -> bool:
     import importlib.util
@@ -68,8 +70,9 @@ def build_model(hf_config: Any, tp: int = 1, pp: int = 1, impl: Impl = "local",
                 dtype: torch.dtype = torch.float32, make_vocab_size_divisible_by: int = 128,
                 padded_vocab_size: int | None = None, pre_process: bool | None = None,
                 post_process: bool | None = None, ep: int = 1, etp: int | None = None,
-                family: ModelFamily | None = None, **config_overrides):
-    """The megatron-core `GPTModel` for this process's rank of a TP x PP (x EP) layout.
+                family: ModelFamily | None = None, model_class: str = "gpt", **config_overrides):
+    """The megatron-core `GPTModel` (`model_class="hybrid"`: `HybridModel`, models/hybrid.py) for this
+    process's rank of a TP x PP (x EP) layout.
 
     Model parallelism must be initialised for TP x PP (`parallel_state.initialize_model_parallel`);
     for TP=PP=1 with nothing set up, a gloo world of one is created here. The embedding is padded
@@ -83,7 +86,15 @@ def build_model(hf_config: Any, tp: int = 1, pp: int = 1, impl: Impl = "local",
     if impl == "transformer_engine" and not transformer_engine_available():
         raise ValueError("the transformer_engine implementation needs Transformer Engine, which is not installed: "
                          "install it (pip install 'megatron_patch[te]', on a CUDA machine) or run with --impl local")
+    if model_class not in MODEL_CLASSES:
+        raise ValueError(f"model_class must be one of {MODEL_CLASSES}, got {model_class!r}")
     family = family or get_family(hf_config)
+    build = gpt_model
+    if model_class == "hybrid":
+        from megatron_patch.models.hybrid import config_overrides as hybrid_config
+        from megatron_patch.models.hybrid import hybrid_model as build
+
+        config_overrides = {**hybrid_config(hf_config, family), **config_overrides}
     layout = Layout(tp, pp, make_vocab_size_divisible_by, ep, etp)
     family.check_layout(hf_config, layout)
     ensure_model_parallel(tp, pp, ep, etp)
@@ -100,8 +111,8 @@ def build_model(hf_config: Any, tp: int = 1, pp: int = 1, impl: Impl = "local",
     if post_process is None:
         post_process = ps.is_pipeline_last_stage()
     with patches.applied("cpu_cuda_calls"):  # MLA builds its rotary embedding on current_device()
-        model = gpt_model(hf_config, config, padded_vocab_size or shapes.padded_vocab_size, pre_process,
-                          post_process, family=family)
+        model = build(hf_config, config, padded_vocab_size or shapes.padded_vocab_size, pre_process,
+                      post_process, family=family)
     if dtype != torch.float32:
         # torch norms (local spec without Apex) are built in fp32 whatever params_dtype says;
         # megatron.training casts the same way (Float16Module)
