@@ -7,6 +7,9 @@ itself is built by the family (`megatron_patch.training.model`).
 Checked here, before megatron initialises (each a ValueError naming the flag): a machine without a CUDA
 GPU (unless `--cpu`), settings `--cpu` cannot run, numeric flags out of range, missing data or
 tokenizer, and dataset splits that hold no document (megatron's dataset builder would loop forever).
+Kept in one module (over 400 lines) because these steps run in one order before megatron validates the
+arguments: machine and --cpu, numbers, architecture, precision, throughput profile, data and splits,
+schedule, tokenizer.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Any
 
 from megatron_patch.conversion.mcore_io import HF_SUBDIR, TRACKER
 from megatron_patch.models import Layout, get_family, load_hf_config
+from megatron_patch.models.build import MODEL_CLASSES
 
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 _TRAINING_CHOICES = {"hidden_dropout", "attention_dropout", "init_method_std"}
@@ -48,12 +52,18 @@ def add_patch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "from the data loader where Transformer Engine's causal kernels ignore it); benchmark: "
                         "also skip the per-step safety checks (NaN/Inf in loss and gradients, rerun validation); "
                         "none: Megatron's own defaults. A flag given on the command line always wins")
+    g.add_argument("--model-class", choices=MODEL_CLASSES, default="gpt",
+                   help="gpt: megatron-core's GPTModel; hybrid: its HybridModel (megatron-core >= 0.19), the same "
+                        "model with attention and MLP as separate layers (--hybrid-layer-pattern comes from the "
+                        "family); both load the same checkpoints (docs/hybrid.md)")
     g.add_argument("--cpu", action="store_true",
                    help="train on the CPU, without a GPU (tiny models: debugging a recipe on a laptop): the local "
                         "implementation, CPU initialisation, gloo, no fused kernels; Transformer Engine, fp8, nccl, "
                         "sequence parallelism and the distributed optimizer are refused. Without it, a machine "
                         "with no CUDA GPU is an error")
-    return parser
+    from megatron_patch.lora.training import add_lora_args
+
+    return add_lora_args(parser)
 
 
 # What --cpu sets: Megatron's flags for megatron-core on a CPU (its fused kernels are CUDA-only)
@@ -150,7 +160,7 @@ def architecture_args(hf_config: Any) -> dict:
         num_query_groups=groups, normalization=ck["normalization"], norm_epsilon=ck["layernorm_epsilon"],
         swiglu=bool(ck["gated_linear_unit"]) and ck["activation_func"].__name__ == "silu",
         add_bias_linear=ck["add_bias_linear"], add_qkv_bias=ck["add_qkv_bias"], qk_layernorm=ck["qk_layernorm"],
-        position_embedding_type=position, add_position_embedding=position == "learned_absolute",
+        position_embedding_type=position, add_position_embedding=position != "rope",  # see mcore_io.checkpoint_args
         rotary_base=gk.get("rotary_base", 10000), rotary_percent=gk.get("rotary_percent", 1.0),
         rotary_interleaved=ck.get("rotary_interleaved", False),
         untie_embeddings_and_output_weights=not gk.get("share_embeddings_and_output_weights", False),
@@ -209,6 +219,7 @@ def parse_args(argv: list[str] | None = None, extra_args_provider=None, indexed_
             raise ValueError(f"{flag} {getattr(args, key)} conflicts with the HF config ({value}); the "
                              "architecture comes from --hf-config / --load-hf")
         setattr(args, key, value)
+    apply_model_class(args, hf_config)
     apply_precision(args)
     apply_throughput_profile(args, given)  # megatron prints the resulting arguments at start
     if indexed_data:
@@ -224,6 +235,9 @@ def parse_args(argv: list[str] | None = None, extra_args_provider=None, indexed_
         raise ValueError("--save-hf exports the final checkpoint: it needs --save DIR")
     if args.save_hf and os.path.exists(args.save_hf):
         raise ValueError(f"--save-hf {args.save_hf} already exists")
+    from megatron_patch.lora.training import check_lora_args
+
+    check_lora_args(args)
     default_tokenizer(args)
     if adjust is not None:
         adjust(args)
@@ -236,6 +250,27 @@ def parse_args(argv: list[str] | None = None, extra_args_provider=None, indexed_
     # resuming a run (a checkpoint in --load) wins over --load-hf
     args.resuming = bool(args.load) and os.path.isfile(os.path.join(args.load, TRACKER))
     return args, hf_config
+
+
+def apply_model_class(args: argparse.Namespace, hf_config: Any) -> None:
+    """`--model-class hybrid`: megatron's `--hybrid-layer-pattern` (and layer count) from the family, which
+    also makes megatron.training load GPT-format checkpoints into it (megatron-core's interop)."""
+    given, pattern = getattr(args, "hybrid_layer_pattern", None), None
+    if args.model_class == "hybrid":
+        from megatron_patch.models import hybrid  # a clear error on megatron-core < 0.19
+        from megatron_patch.models.build import transformer_config
+
+        # the specs, without a model, say why a family has no HybridModel form (alike in both implementations)
+        hybrid.hybrid_stack_spec(hf_config, transformer_config(hf_config, transformer_impl="local",
+                                                               **hybrid.config_overrides(hf_config)))
+        pattern = hybrid.layer_pattern(hf_config)
+        args.num_layers, args.hybrid_layer_pattern = len(pattern), pattern
+        if getattr(args, "save_hf", None):
+            raise ValueError("--save-hf with --model-class hybrid: a HybridModel run saves HybridModel checkpoints, "
+                             "which the HF export does not read yet (docs/hybrid.md)")
+    if given not in (None, pattern):
+        raise ValueError(f"--hybrid-layer-pattern {given}: the pattern comes from the HF config with "
+                         f"--model-class hybrid ({pattern or 'not given'})")
 
 
 def settle_schedule(args: argparse.Namespace, no_validation: str | bool, given: set[str]) -> None:
@@ -260,7 +295,7 @@ def select_device(args: argparse.Namespace, given: set[str]) -> None:
     what cannot run on a CPU. The CPU test harness applies the patch itself (and passes the flags)."""
     import torch
 
-    from megatron_patch import patches
+    from megatron_patch import compat, patches
 
     if args.cpu:
         if torch.cuda.is_available():
@@ -268,7 +303,7 @@ def select_device(args: argparse.Namespace, given: set[str]) -> None:
                              "could hide it); run with CUDA_VISIBLE_DEVICES= to train on the CPU")
         if not patches.apply("cpu_training"):
             raise ValueError(f"--cpu supports megatron-core {patches.registry()['cpu_training'].versions}, not "
-                             f"{patches.megatron_core_version()}")
+                             f"{compat.megatron_core_version()}")
     elif not torch.cuda.is_available() and not patches.is_active("cpu_training"):
         raise ValueError("no CUDA GPU found; pass --cpu to run a tiny model on the CPU")
     if not patches.is_active("cpu_training"):

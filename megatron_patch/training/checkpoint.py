@@ -31,12 +31,18 @@ def describe_checkpoint(args, hf_config: dict) -> None:
 
 
 def export_hf(args) -> None:
-    """`--save-hf`: the last saved checkpoint -> an HF folder (rank 0, after all ranks finished)."""
-    if not args.save_hf:
+    """`--save-hf`: the last saved checkpoint -> an HF folder (rank 0, after all ranks finished); a LoRA
+    run's: the merged model, and `--save-peft` the adapters as a PEFT folder."""
+    lora = getattr(args, "lora", False)
+    if not args.save_hf and not (lora and args.save_peft):
         return
     if dist.is_initialized():
         dist.barrier()
-    if _rank0():
+    if _rank0() and lora:
+        from megatron_patch.lora.export import export
+
+        print(json.dumps(export(args.save, peft=args.save_peft, merged=args.save_hf)), flush=True)
+    elif _rank0():
         from megatron_patch.conversion.convert import mcore_to_hf
 
         print(json.dumps(mcore_to_hf(args.save, args.save_hf)), flush=True)

@@ -1,4 +1,5 @@
-"""The model provider megatron.training calls on every rank: the family's `GPTModel`, with
+"""The model provider megatron.training calls on every rank: the family's `GPTModel` (or, with
+`--model-class hybrid`, its `HybridModel`: models/hybrid.py), with
 megatron-core's `TransformerConfig` built from Megatron's arguments (parallelism, precision, fusions,
 recompute, ...) and the architecture fields replaced by the family's (activation, norms, rotary
 variant, sliding window, ... that Megatron's arguments cannot all express)."""
@@ -19,6 +20,10 @@ def transformer_config_from_args(args, hf_config: Any, family: ModelFamily | Non
     base = core_transformer_config_from_args(args)
     fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init}
     fields.update(family.config_kwargs(hf_config))
+    if getattr(args, "model_class", "gpt") == "hybrid":
+        from megatron_patch.models.hybrid import config_overrides
+
+        fields.update(config_overrides(hf_config, family))
     shapes = family.shapes(hf_config, Layout(args.tensor_model_parallel_size, 1, args.make_vocab_size_divisible_by))
     fields["num_query_groups"] = shapes.num_query_groups
     fields["hidden_dropout"], fields["attention_dropout"] = args.hidden_dropout, args.attention_dropout
@@ -65,7 +70,9 @@ def load_hf_weights(model, hf_dir: str, hf_config: Any, args) -> None:
     fresh_head = is_reward_config(hf_config) and SCORE not in ckpt.keys()
     source = load_hf_config(hf_dir) if fresh_head else hf_config
     plan = make_plan(source, layout, args.transformer_impl, padded_vocab_size=args.padded_vocab_size)
-    load_hf_into_rank(model, plan, ckpt.get, ckpt.keys(), keep=["output_layer.weight"] if fresh_head else [])
+    # a fresh head replaces the causal LM's output layer (and its bias, GPT-J's)
+    head = ["output_layer.weight", "output_layer.bias"] if fresh_head else []
+    load_hf_into_rank(model, plan, ckpt.get, ckpt.keys(), keep=head)
 
 
 def make_model_provider(hf_config: Any):
@@ -77,12 +84,20 @@ def make_model_provider(hf_config: Any):
 
         args = get_args()
         tc = transformer_config_from_args(args, hf_config, family)
-        model = gpt_model(hf_config, tc, args.padded_vocab_size, pre_process, post_process, family=family,
-                          fp16_lm_cross_entropy=args.fp16_lm_cross_entropy, parallel_output=True,
-                          **({"vp_stage": vp_stage} if vp_stage is not None else {}))
+        build = gpt_model
+        if getattr(args, "model_class", "gpt") == "hybrid":
+            from megatron_patch.models.hybrid import hybrid_model as build
+        model = build(hf_config, tc, args.padded_vocab_size, pre_process, post_process, family=family,
+                      fp16_lm_cross_entropy=args.fp16_lm_cross_entropy, parallel_output=True,
+                      **({"vp_stage": vp_stage} if vp_stage is not None else {}))
         fuse_te_wgrad(model, args.gradient_accumulation_fusion)
-        if args.load_hf and not args.resuming:
+        lora = getattr(args, "lora", False)
+        if args.load_hf and (not args.resuming or lora):  # a LoRA checkpoint holds the adapters, not the base
             load_hf_weights(model, args.load_hf, hf_config, args)
+        if lora:
+            from megatron_patch.lora.training import adapt
+
+            adapt(model, args, hf_config, family)
         return model
 
     return model_provider

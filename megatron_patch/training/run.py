@@ -41,8 +41,9 @@ def run(argv: list[str] | None, datasets_provider, extra_args_provider=None, ind
     cfg = pretrain_cfg_container_from_args(args, None)
     cfg.model = None  # the model comes from our provider
     describe_checkpoint(args, hf_config)
-    pretrain(cfg, datasets_provider, ModelType.encoder_or_decoder, forward_step or gpt.forward_step,
-             model_provider=make_model_provider(hf_config))
+    # by keyword: megatron-core 0.19 moved model_provider behind model_type and forward_step_func
+    pretrain(cfg, train_valid_test_dataset_provider=datasets_provider, model_type=ModelType.encoder_or_decoder,
+             forward_step_func=forward_step or gpt.forward_step, model_provider=make_model_provider(hf_config))
     export_hf(args)
 
 

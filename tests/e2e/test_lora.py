@@ -1,0 +1,449 @@
+"""LoRA (megatron_patch.lora) on CPU, fp32, checked numerically:
+
+- in memory (tiny LLaMA, TP=PP=1): the adapted model's logits equal the base's exactly at initialisation;
+  with non-zero adapters, the merged HF weights (transformers) and PEFT's model built from our adapter
+  folder give the adapted model's logits (<= 1e-5); a PEFT adapter made by `peft` itself on q_proj / v_proj
+  only is imported and gives PEFT's logits; trainable parameters = PEFT's count;
+- `python -m megatron_patch.sft --lora-rank ...` end to end: only adapters train (the loss falls), TP=2 and
+  PP=2 give the TP=1 losses, a resume from the adapter-only checkpoint is exact, the checkpoint exports
+  (at the end of training and from a TP=2 checkpoint) to a PEFT folder and a merged HF folder whose logits
+  equal the adapted model's, and `--lora-import` continues from a PEFT folder;
+- bad input: unknown target, a target that matches no module, rank <= 0, an adapter of another base.
+"""
+
+import contextlib
+import io
+import json
+import os
+import re
+
+import pytest
+import torch
+
+from megatron_patch.tokenizer import TINY_TOKENIZER
+from tests import _cpu
+from tests.helpers import conversations
+
+RANK, ALPHA = 4, 8.0
+
+
+def _adapted_model(cfg, sd, targets=("all-linear",), rank=RANK, alpha=ALPHA, modules=None):
+    from megatron_patch.conversion.engine import hf_to_megatron, load_rank_state_dict, make_plan
+    from megatron_patch.lora.adapters import LoRAConfig, apply_lora
+    from megatron_patch.models import Layout, build_model
+
+    plan = make_plan(cfg, Layout())
+    model = build_model(cfg).eval()
+    load_rank_state_dict(model, hf_to_megatron(plan, sd.__getitem__, sd.keys())[(0, 0, 0)])
+    apply_lora(model, cfg, LoRAConfig(rank, alpha, targets=targets, modules=modules), plan)
+    return model, plan
+
+
+def _logits(model, ids, vocab=1000):
+    from megatron_patch.conversion.verify import megatron_logits
+
+    with torch.no_grad():
+        return megatron_logits(model, ids, vocab)
+
+
+def _peft_logits(hf, folder, ids, trainable=False):
+    from peft import PeftModel
+
+    model = PeftModel.from_pretrained(hf, folder, is_trainable=trainable).eval()
+    with torch.no_grad():
+        return model(ids).logits, model.get_nb_trainable_parameters()[0]
+
+
+def _hf_logits(cfg, state, ids):
+    from tests.models import hf_model
+
+    hf = hf_model(cfg)
+    hf.load_state_dict(state)
+    with torch.no_grad():
+        return hf(ids).logits
+
+
+def _expected_trainable(cfg, rank=RANK):
+    h, f = cfg["hidden_size"], cfg["intermediate_size"]
+    q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
+    per_layer = sum(rank * (i + o) for i, o in ((h, q), (h, kv), (h, kv), (q, h), (h, f), (h, f), (f, h)))
+    return per_layer * cfg["num_hidden_layers"]
+
+
+def test_adapted_model_equals_base_merged_and_peft(cpu_megatron, tmp_path):
+    from megatron_patch.conversion.verify import fixed_prompts
+    from megatron_patch.lora import peft as P
+    from megatron_patch.lora.adapters import adapter_tensors, count_parameters, load_adapter
+    from tests.models import hf_model, llama_config
+
+    cfg = llama_config("gqa")
+    sd = hf_model(cfg).state_dict()
+    ids = fixed_prompts(1000, 2, 24)
+    base = _hf_logits(cfg, sd, ids)
+    model, plan = _adapted_model(cfg, sd)
+    assert torch.equal(_logits(model, ids), _logits(_adapted_model(cfg, sd, targets=("linear_proj",))[0], ids))
+    assert (_logits(model, ids) - base).abs().max().item() <= 1e-5  # B = 0: the base function, exactly
+    trainable, total = count_parameters(model)
+    assert trainable == _expected_trainable(cfg) and total > 10 * trainable
+    assert all(p.requires_grad == (".lora_" in n) for n, p in model.named_parameters())
+
+    g = torch.Generator().manual_seed(7)  # stand-in for training: every adapter factor non-zero
+    with torch.no_grad():
+        for p in (p for p in model.parameters() if p.requires_grad):
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    ours = _logits(model, ids)
+    assert (ours - base).abs().max().item() > 0.5
+    adapter = P.to_peft(adapter_tensors(model), plan, RANK, ALPHA)
+    P.write_peft(str(tmp_path / "peft"), adapter, plan)
+    config = json.load(open(tmp_path / "peft" / "adapter_config.json"))
+    assert config["target_modules"] == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    peft_logits, peft_trainable = _peft_logits(hf_model(cfg), str(tmp_path / "peft"), ids, trainable=True)
+    assert peft_trainable == trainable
+    assert (peft_logits - ours).abs().max().item() <= 1e-5
+    merged = _hf_logits(cfg, P.merge_into(sd.__getitem__, list(sd), adapter), ids)
+    assert (merged - ours).abs().max().item() <= 1e-5
+
+    # back in: the PEFT folder gives the same adapter tensors, bitwise
+    again, _ = _adapted_model(cfg, sd)
+    load_adapter(again, P.from_peft(P.read_peft(str(tmp_path / "peft")), plan))
+    assert all(torch.equal(a, b) for a, b in zip(adapter_tensors(again).values(), adapter_tensors(model).values()))
+
+
+@pytest.mark.parametrize("variant", ["qwen2", "qwen2_moe", "falcon_40b", "bloom", "glm", "deepseek_v3"])
+def test_families_match_peft(cpu_megatron, tmp_path, variant):
+    """Other layouts of the fused linears (qkv biases and tied embeddings, shared experts beside routed ones,
+    per-group packed query_key_value, Bloom's per-head layout, GLM's one gate_up_proj, MLA's linear_proj and
+    dense-then-MoE layers): our adapted model with random adapters = PEFT's model from our folder."""
+    from megatron_patch.conversion.engine import hf_to_megatron, load_rank_state_dict, make_plan
+    from megatron_patch.conversion.verify import fixed_prompts, hf_logits
+    from megatron_patch.lora import peft as P
+    from megatron_patch.lora.adapters import LoRAConfig, adapter_tensors, apply_lora, count_parameters
+    from megatron_patch.models import Layout, build_model
+    from tests.models import Case, case, hf_model, save_case
+
+    c = case(variant)
+    plan = make_plan(c.cfg, Layout())
+    model = build_model(c.cfg).eval()
+    load_rank_state_dict(model, hf_to_megatron(plan, c.sd.__getitem__, c.sd.keys())[(0, 0, 0)])
+    apply_lora(model, c.cfg, LoRAConfig(RANK, ALPHA), plan)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in (p for p in model.parameters() if p.requires_grad):
+            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    ids = fixed_prompts(c.vocab_size, 2, 16)
+    ours = _logits(model, ids, c.vocab_size)
+    adapter = P.to_peft(adapter_tensors(model), plan, RANK, ALPHA)
+    merged = P.merge_into(c.sd.__getitem__, list(c.sd), adapter)
+    folder = save_case(Case(c.cfg, merged, c.ref), str(tmp_path / "merged"))
+    assert (hf_logits(folder, ids) - ours).abs().max().item() <= 1e-5
+    if variant == "deepseek_v3":
+        return  # transformers 5 fuses its experts in memory, and peft 0.21 then adapts other modules than named
+    P.write_peft(str(tmp_path / "peft"), adapter, plan)
+    theirs, trainable = _peft_logits(hf_model(c.cfg), str(tmp_path / "peft"), ids, trainable=True)
+    assert trainable == count_parameters(model)[0]
+    assert (theirs - ours).abs().max().item() <= 1e-5
+
+
+def test_import_peft_adapter_on_some_of_the_fused_modules(cpu_megatron, tmp_path):
+    """An adapter made by `peft` itself on q_proj and v_proj only (k_proj's rows of the fused linear_qkv
+    stay without adapter): imported, our model gives PEFT's logits."""
+    from peft import LoraConfig, get_peft_model
+
+    from megatron_patch.conversion.verify import fixed_prompts
+    from megatron_patch.lora import peft as P
+    from megatron_patch.lora.adapters import load_adapter
+    from tests.models import hf_model, llama_config
+
+    cfg = llama_config("gqa")
+    sd = hf_model(cfg).state_dict()
+    pm = get_peft_model(hf_model(cfg), LoraConfig(r=2, lora_alpha=5, target_modules=["q_proj", "v_proj"]))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    pm.save_pretrained(str(tmp_path / "theirs"))
+    ids = fixed_prompts(1000, 2, 24)
+    with torch.no_grad():
+        theirs = pm.eval()(ids).logits
+    adapter = P.read_peft(str(tmp_path / "theirs"))
+    _, plan = _adapted_model(cfg, sd, rank=2)
+    targets, modules = P.megatron_targets(adapter, plan)
+    assert targets == ("linear_qkv",) and modules == {"q_proj", "v_proj"}
+    model, _ = _adapted_model(cfg, sd, targets, adapter.rank, adapter.alpha, modules)
+    load_adapter(model, P.from_peft(adapter, plan))
+    assert (_logits(model, ids) - theirs).abs().max().item() <= 1e-5
+
+
+def test_bad_input_is_a_clear_error(cpu_megatron, tmp_path):
+    from megatron_patch.conversion.engine import make_plan
+    from megatron_patch.lora import peft as P
+    from megatron_patch.lora.adapters import LoRAConfig, LoRAError, find_sites, load_adapter
+    from megatron_patch.models import Layout
+    from tests.models import family_config, hf_model, llama_config
+
+    with pytest.raises(LoRAError, match="unknown LoRA target 'q_proj'"):
+        LoRAConfig(4, targets=("q_proj",))
+    for rank in (0, -2):
+        with pytest.raises(LoRAError, match="rank must be a positive integer"):
+            LoRAConfig(rank)
+    mixtral = family_config("mixtral")  # every MLP is routed experts: linear_fc1 names no adaptable module
+    with pytest.raises(LoRAError, match="linear_fc1 matches no module"):
+        find_sites(None, mixtral, LoRAConfig(4, targets=("linear_fc1",)), make_plan(mixtral, Layout()))
+    # an adapter trained on another base (wider MLP): a shape error naming the module, on import and on merge
+    cfg, other = llama_config("gqa"), {**llama_config("gqa"), "intermediate_size": 192}
+    other_model, other_plan = _adapted_model(other, hf_model(other).state_dict())
+    from megatron_patch.lora.adapters import adapter_tensors
+
+    adapter = P.to_peft(adapter_tensors(other_model), other_plan, RANK, ALPHA)
+    sd = hf_model(cfg).state_dict()
+    model, plan = _adapted_model(cfg, sd)
+    with pytest.raises(LoRAError, match=r"mlp\.gate_proj: adapter shapes .* do not fit this model"):
+        load_adapter(model, P.from_peft(adapter, plan))
+    with pytest.raises(LoRAError, match="gate_proj: adapter B @ A is 192x64, the base weight"):
+        P.merge_into(sd.__getitem__, list(sd), adapter)
+    foreign = P.Adapter({"model.layers.9.self_attn.q_proj": adapter.modules["model.layers.0.self_attn.q_proj"]}, 4, 8.0)
+    with pytest.raises(LoRAError, match="layers.9.self_attn.q_proj is not a linear LoRA can adapt"):
+        P.from_peft(foreign, plan)
+
+
+# --- end to end: python -m megatron_patch.sft --lora-rank ... (spawned gloo worlds) ---------------------------
+
+def _run(rank: int, argv: list[str]) -> dict:
+    _cpu.install_training()
+    from megatron_patch import sft
+    from megatron_patch.training import gpt
+
+    sums, loss_func = [], gpt.loss_func
+
+    def record(mask, output):
+        out = loss_func(mask, output)
+        sums.append(out[0].item() / out[1].item())
+        return out
+
+    gpt.loss_func = record
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        try:
+            code = sft.main(argv)
+        except SystemExit as e:  # --exit-interval
+            code = e.code or 0
+    assert code == 0, text.getvalue()[-3000:]
+    counts = re.findall(r"LoRA: ([\d,]+) trainable parameters", text.getvalue())
+    return {"losses": sums, "trainable": [int(c.replace(",", "")) for c in counts]}
+
+
+LORA = ("--lora-rank", str(RANK), "--lora-alpha", str(ALPHA))
+
+
+def _argv(data, hf, save, *extra, lora=LORA):
+    return ["--load-hf", hf, "--sft-data", data, "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+            TINY_TOKENIZER, "--seq-length", "128", "--micro-batch-size", "2", "--global-batch-size", "4",
+            "--train-iters", "8", "--lr", "1e-2", "--lr-decay-style", "constant", "--transformer-impl", "local",
+            "--use-cpu-initialization", "--no-masked-softmax-fusion", "--no-persist-layer-norm", "--no-rope-fusion",
+            "--no-bias-swiglu-fusion", "--distributed-backend", "gloo", "--num-workers", "0", "--log-interval", "1",
+            "--eval-iters", "0", "--eval-interval", "1000", "--seed", "1234", "--make-vocab-size-divisible-by", "4",
+            "--save", save, *lora, *extra]
+
+
+def _train(world: int, argv: list[str]) -> dict:
+    return _cpu.run_world(world, _run, argv)[-1]
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    from tests.models import hf_model, llama_config, save_hf
+
+    root = tmp_path_factory.mktemp("lora_inputs")
+    data = root / "chats.jsonl"
+    data.write_text("".join(json.dumps(c) + "\n" for c in conversations(200)))
+    return str(data), save_hf(hf_model(llama_config("gqa")), str(root / "hf"))
+
+
+@pytest.fixture(scope="module")
+def tp1(inputs, tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora_tp1")
+    run = _train(1, _argv(*inputs, str(root / "ckpt"), "--save-hf", str(root / "merged"),
+                          "--save-peft", str(root / "peft")))
+    return run, root
+
+
+def test_sft_lora_trains_adapters_and_exports_exactly(cpu_megatron, tp1, inputs):
+    """Only the adapters train (the loss falls from the base's); the exported PEFT folder and merged HF
+    model give the adapted model's logits (the base from --load-hf + the checkpoint's adapters)."""
+    from megatron_patch.conversion.hf_io import read_all
+    from megatron_patch.conversion.mcore_io import checkpoint_step_dir
+    from megatron_patch.conversion.verify import fixed_prompts
+    from megatron_patch.lora.adapters import load_adapter
+    from megatron_patch.lora.peft import read_checkpoint_adapter
+    from megatron_patch.models import load_hf_config
+    from tests.models import hf_model
+
+    run, root = tp1
+    losses = run["losses"]
+    assert len(losses) == 16 and sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.5, losses
+    cfg = load_hf_config(inputs[1])
+    assert run["trainable"] == [_expected_trainable(cfg)]
+    trained = read_checkpoint_adapter(checkpoint_step_dir(str(root / "ckpt")))
+    assert all(t.abs().max() > 0 for k, t in trained.items() if ".lora_B." in k)
+    base = read_all(inputs[1])
+    model, _ = _adapted_model(cfg, base)
+    load_adapter(model, trained)
+    ids = fixed_prompts(1000, 2, 24)
+    ours = _logits(model, ids)
+    merged = read_all(str(root / "merged"))
+    assert set(merged) == set(base) and not torch.equal(merged["model.layers.0.mlp.up_proj.weight"],
+                                                        base["model.layers.0.mlp.up_proj.weight"])
+    assert torch.equal(merged["model.norm.weight"], base["model.norm.weight"])  # only adapted weights change
+    assert (_hf_logits(cfg, merged, ids) - ours).abs().max().item() <= 1e-5
+    hf = hf_model(cfg)
+    hf.load_state_dict(base)
+    assert (_peft_logits(hf, str(root / "peft"), ids)[0] - ours).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("layout", [["--tensor-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"]])
+def test_tp2_and_pp2_train_as_tp1(tp1, inputs, tmp_path, layout):
+    """Same adapters at start (seeded per layer and module, in HF layout), same losses; the checkpoint
+    stores the adapters whole, so its export equals TP=1's adapters up to the training's rounding."""
+    from megatron_patch.conversion.mcore_io import checkpoint_step_dir
+    from megatron_patch.lora.peft import read_checkpoint_adapter
+
+    run = _train(2, _argv(*inputs, str(tmp_path / "ckpt"), *layout))
+    ref = tp1[0]["losses"]
+    assert len(run["losses"]) == len(ref) == 16
+    assert max(abs(a - b) for a, b in zip(run["losses"], ref)) <= 1e-5, (run["losses"], ref)
+    ours = read_checkpoint_adapter(checkpoint_step_dir(str(tmp_path / "ckpt")))
+    theirs = read_checkpoint_adapter(checkpoint_step_dir(str(tp1[1] / "ckpt")))
+    assert set(ours) == set(theirs)
+    assert max((ours[k] - theirs[k]).abs().max().item() for k in ours) <= 1e-4
+
+
+def test_resume_from_adapter_checkpoint_is_exact(tp1, inputs, tmp_path):
+    """Stop at iteration 4 (adapters + their optimizer state saved, no base), resume to 8: every
+    micro-batch loss equals the uninterrupted run's."""
+    from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from megatron_patch.conversion.mcore_io import checkpoint_step_dir
+
+    ckpt = str(tmp_path / "ckpt")
+    first = _train(1, _argv(*inputs, ckpt, "--exit-interval", "4", "--save-interval", "4"))["losses"]
+    step = checkpoint_step_dir(ckpt)
+    keys = [k for k in FileSystemReader(step).read_metadata().state_dict_metadata if not k.startswith("rng")]
+    model_keys = [k for k in keys if k.startswith(("decoder.", "embedding.", "output_layer."))]
+    assert model_keys and all(".lora_" in k for k in model_keys), model_keys  # adapters only, no base
+    assert any(".lora_" in k and "exp_avg" in k for k in keys)  # their optimizer state
+    assert dist_checkpointing.load_common_state_dict(step)["args"].lora_rank == RANK
+    resumed = _train(1, _argv(*inputs, ckpt, "--load", ckpt))["losses"]
+    full = tp1[0]["losses"]
+    assert len(first) == 8 and len(resumed) == 8
+    assert max(abs(a - b) for a, b in zip(first + resumed, full)) <= 1e-6
+
+
+def test_lora_import_continues_from_a_peft_folder(tp1, inputs, tmp_path):
+    """--lora-import: the run starts from the PEFT folder's adapters (at lr 0 they are saved unchanged)."""
+    from megatron_patch.conversion.engine import make_plan
+    from megatron_patch.conversion.mcore_io import checkpoint_step_dir
+    from megatron_patch.lora import peft as P
+    from megatron_patch.models import Layout, load_hf_config
+
+    peft_dir = str(tp1[1] / "peft")
+    _train(1, _argv(*inputs, str(tmp_path / "ckpt"), "--train-iters", "1", "--lr", "0.0", "--lora-import", peft_dir,
+                    lora=()))
+    saved = P.read_checkpoint_adapter(checkpoint_step_dir(str(tmp_path / "ckpt")))
+    read = P.from_peft(P.read_peft(peft_dir), make_plan(load_hf_config(inputs[1]), Layout()))
+    assert set(saved) == set(read) and all(torch.equal(saved[k], read[k]) for k in read)
+
+
+def _parse(rank: int, argvs: list[list[str]]) -> list[str]:
+    _cpu.install_training()
+    from megatron_patch.sft import _sft_settings, add_sft_args
+    from megatron_patch.training.arguments import parse_args
+
+    out = []
+    for argv in argvs:
+        try:
+            parse_args(argv, add_sft_args, indexed_data=False, adjust=_sft_settings)
+            out.append("")
+        except ValueError as e:
+            out.append(str(e))
+    return out
+
+
+def test_bad_lora_options_are_refused_before_training(inputs, tmp_path):
+    data, hf = inputs
+    base = _argv(data, hf, str(tmp_path / "c"))
+    cases = {
+        "rank 0": ([*base, "--lora-rank", "0"], "--lora-rank must be a positive integer, got 0"),
+        "unknown target": ([*base, "--lora-target", "q_proj"], "unknown LoRA target 'q_proj'"),
+        "no base": ([a if a != "--load-hf" else "--hf-config" for a in base], "pass --load-hf DIR"),
+        "peft without lora": (_argv(data, hf, str(tmp_path / "d"), "--save-peft", str(tmp_path / "p"), lora=()),
+                              "--save-peft exports LoRA adapters"),
+        "not a peft folder": ([*base, "--lora-import", hf], "is not a PEFT adapter folder"),
+    }
+    messages = _cpu.run_world(1, _parse, [argv for argv, _ in cases.values()])[0]
+    for (name, (_, match)), message in zip(cases.items(), messages):
+        assert match in message, (name, message)
+
+
+def _dpo(rank: int, argv: list[str]) -> list[dict]:
+    _cpu.install_training()
+    from megatron_patch.rlhf import dpo
+
+    logged = _cpu.record_train_steps()
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert dpo.main(argv) == 0
+    return logged
+
+
+def test_dpo_with_lora(tiny_lm, tmp_path):
+    """rlhf.dpo --lora-rank: the policy starts as the reference (B = 0: loss log 2, margin 0) and the
+    adapters alone raise the reward margin; the checkpoint holds adapters only."""
+    import math
+
+    from megatron_patch.conversion.mcore_io import checkpoint_step_dir
+    from megatron_patch.lora.peft import read_checkpoint_adapter
+    from tests.helpers import preferences
+
+    train = tmp_path / "prefs.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in preferences(200, 0)))
+    argv = ["--load-hf", tiny_lm, "--pref-data", str(train), "--seq-length", "32", "--micro-batch-size", "4",
+            "--global-batch-size", "8", "--train-iters", "20", "--lr", "1e-2", "--beta", "0.1",
+            "--save", str(tmp_path / "ckpt"), *LORA, "--tokenizer-type", "HuggingFaceTokenizer",
+            "--tokenizer-model", TINY_TOKENIZER, "--transformer-impl", "local", "--use-cpu-initialization",
+            "--no-masked-softmax-fusion", "--no-persist-layer-norm", "--no-rope-fusion", "--no-bias-swiglu-fusion",
+            "--distributed-backend", "gloo", "--num-workers", "0", "--log-interval", "1", "--eval-iters", "0",
+            "--eval-interval", "1000", "--seed", "1234", "--lr-decay-style", "constant",
+            "--make-vocab-size-divisible-by", "4"]
+    logged = _cpu.run_world(1, _dpo, argv)[0]
+    assert len(logged) == 20
+    # as without LoRA: policy and reference forwards differ only in fp32 rounding (the policy's fused loss)
+    assert abs(logged[0]["reward margin"]) < 1e-3 and abs(logged[0]["dpo loss"] - math.log(2)) < 1e-3
+    assert sum(r["reward margin"] for r in logged[-5:]) / 5 > 0.2, logged[-1]
+    assert read_checkpoint_adapter(checkpoint_step_dir(str(tmp_path / "ckpt")))
+
+
+def test_export_tool_in_a_plain_process(tp1, tmp_path):
+    """python -m megatron_patch.lora.export: the checkpoint's adapters as a PEFT folder, the same tensors as
+    the export at the end of training; bad input is one error line."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    def tool(*args):
+        return subprocess.run([sys.executable, "-m", "megatron_patch.lora.export", *args], capture_output=True,
+                              text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+
+    root = tp1[1]
+    done = tool("--load", str(root / "ckpt"), "--save-peft", str(tmp_path / "peft"))
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1])["modules"] == 28
+    ours, theirs = load_file(str(tmp_path / "peft" / "adapter_model.safetensors")), \
+        load_file(str(root / "peft" / "adapter_model.safetensors"))
+    assert set(ours) == set(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    for args, match in [(("--adapter", str(root / "peft"), "--save-merged", str(tmp_path / "m")), "needs --base"),
+                        (("--load", str(tmp_path / "nope"), "--save-peft", str(tmp_path / "p")), "does not exist")]:
+        bad = tool(*args)
+        assert bad.returncode == 1 and bad.stderr.strip().splitlines()[-1].startswith("error: ") and \
+            match in bad.stderr, bad.stderr
