@@ -63,7 +63,9 @@ def checkpoint_args(plan: Plan, fmt: str) -> Namespace:
         **arch,
         group_query_attention=plan.shapes.num_query_groups != plan.shapes.num_heads,
         position_embedding_type=position,
-        add_position_embedding=position == "learned_absolute",
+        # Megatron-LM's legacy flag: its argument check refuses it off unless the type is rope (ALiBi's "none"
+        # included); the model's embedding follows position_embedding_type
+        add_position_embedding=position != "rope",
         untie_embeddings_and_output_weights=not gpt.get("share_embeddings_and_output_weights", False),
         max_position_embeddings=plan.family.max_sequence_length(plan.hf_config),
         tensor_model_parallel_size=plan.layout.tp,

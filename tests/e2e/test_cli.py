@@ -99,14 +99,14 @@ def test_verify_defaults_to_the_checkpoints_dtype(converted, capsys):
 
 
 def test_convert_example_with_bf16(converted, tmp_path):
-    """examples/<family>/convert.sh ... --dtype bf16: conversion, then verify at the checkpoint's dtype."""
+    """examples/convert.sh ... --dtype bf16: conversion, then verify at the checkpoint's dtype."""
     import subprocess
     import sys
 
     _, hf_dir, _ = converted
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
-    p = subprocess.run(["bash", os.path.join(root, "examples", "llama", "convert.sh"), hf_dir, str(tmp_path / "mc"),
+    p = subprocess.run(["bash", os.path.join(root, "examples", "convert.sh"), hf_dir, str(tmp_path / "mc"),
                         "--dtype", "bf16", "--tp", "2"], capture_output=True, text=True, env=env, timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
     assert json.loads(p.stdout.strip().splitlines()[-1])["ok"] is True
@@ -205,7 +205,7 @@ def test_demo_prints_the_commands_a_user_would_type(tmp_path):
 
 
 @pytest.mark.parametrize("module", ["megatron_patch.generate", "megatron_patch.evaluate", "megatron_patch.rlhf.grpo",
-                                    "toolkits.preprocess_data"])
+                                    "megatron_patch.rlhf.ppo", "toolkits.preprocess_data"])
 def test_every_tool_option_says_what_it_does(module, monkeypatch):
     """Each option of our tools' own parsers has a help text (and HelpFormatter shows its default)."""
     import argparse

@@ -91,7 +91,7 @@ def test_loss_reports_its_kl_without_a_scalar_conversion_warning():
 def test_completions_that_stopped_are_trained_with_their_end_token():
     """Generation leaves the sampled end-of-document token out; a completion shorter than
     --max-new-tokens ended with it, and the policy must learn that choice too."""
-    from megatron_patch.rlhf.grpo import batch_of, with_end_token
+    from megatron_patch.rlhf.rollout import batch_of, with_end_token
 
     completions = with_end_token([[5, 6], [7, 8, 9]], max_new_tokens=3, eod=0)
     assert completions == [[5, 6, 0], [7, 8, 9]]

@@ -1,0 +1,365 @@
+"""python -m megatron_patch.rlhf.ppo: Proximal Policy Optimization with a critic, Megatron-native.
+
+    python -m megatron_patch.rlhf.ppo --hf-dir sft_hf --reward-model rm_hf --prompts prompts.jsonl \\
+        --steps 200 --prompts-per-step 16 --max-new-tokens 256 --lr 1e-6 --critic-lr 5e-6 \\
+        --out ppo_hf --critic-out critic_hf --save ppo_ckpt
+    torchrun --nproc-per-node 2 -m megatron_patch.rlhf.ppo ... --tp 2             # tensor parallel
+
+Four megatron-core GPTModels, colocated on the same ranks in one TP layout: the actor (the policy, trained),
+a frozen reference (the starting policy), a frozen reward model (`--reward-model`, a
+`<Family>ForSequenceClassification` trained by `megatron_patch.rlhf.reward_model`; or a rule, `--reward
+module:function` called as fn(prompt, completion) -> float) and the critic (trained): a value head on any
+family's decoder (`megatron_patch.models.reward`'s scalar head, read at every token), started from
+`--critic` (default: the reward model, else the policy; a causal LM's head starts fresh).
+
+Each step: `--prompts-per-step` prompts (JSONL `prompt` text or chat `messages`, cycled) are sampled once
+each on the actor with megatron-core's inference engine (`megatron_patch.rlhf.rollout`), scored by the
+reward model at the completion's last token; per-token rewards are -kl_coef x (log p - log p_ref) plus the
+score at the last token (`--whiten-rewards`: rescaled to unit variance over the batch); advantages by GAE
+(`--gamma`, `--lam`), whitened over the batch; then `--epochs` passes over `--mini-batches` of the clipped
+policy loss (`--clip`) and the clipped value loss (`--value-clip`), each model with its own AdamW and
+gradient clip. The KL coefficient is fixed (`--kl-coef`) or adaptive (`--kl-target`, `--kl-horizon`). The
+arithmetic is `megatron_patch.rlhf.ppo_loss`.
+
+One JSON line per step on stderr: reward, kl (per completion), kl_coef, policy_loss, value_loss,
+clip_frac, value_clip_frac, entropy (per token), response_length; a summary on stdout. `--save DIR` keeps
+checkpoints (actor, critic, optimizers, KL coefficient, history; every `--save-interval` steps and at the
+end); `--load DIR` resumes from its latest. `--out` writes the actor as an HF causal LM and `--critic-out`
+the critic as an HF `<Family>ForSequenceClassification` folder (num_labels=1) whose per-token values are
+`model.score(model.base_model(ids).last_hidden_state)` (its `logits` are the value at the last token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+STATE, TRACKER = "state.json", "latest"
+
+
+def check_inputs(args, policy_cfg: dict, tokenizer, prompt_ids: list[list[int]]) -> None:
+    """Everything that can be wrong with the models and prompts, before any weight is read."""
+    from megatron_patch.inference import check_lengths, context_length_of
+    from megatron_patch.models import get_family
+    from megatron_patch.models.reward import is_reward_config
+    from megatron_patch.rlhf.critic import check_same_vocabulary
+
+    contexts = [("policy", None, context_length_of(args.mcore_dir, args.hf_dir))]
+    if args.reward_model:
+        cfg = check_same_vocabulary("--reward-model", args.reward_model, "reward model", policy_cfg, tokenizer)
+        if not is_reward_config(cfg):
+            raise ValueError(f"--reward-model {args.reward_model} is a {', '.join(cfg.get('architectures') or [])}, "
+                             "not a reward model (a ...ForSequenceClassification): train one with python -m "
+                             "megatron_patch.rlhf.reward_model")
+        contexts.append(("reward model", args.reward_model, get_family(cfg).max_sequence_length(cfg)))
+    if args.critic:
+        cfg = check_same_vocabulary("--critic", args.critic, "critic", policy_cfg, tokenizer)
+        contexts.append(("critic", args.critic, get_family(cfg).max_sequence_length(cfg)))
+    for who, path, context in contexts:
+        if context is not None:
+            try:
+                check_lengths(prompt_ids, args.max_new_tokens, context, "--max-new-tokens")
+            except ValueError as e:
+                raise ValueError(f"{e}{f' of the {who} {path}' if path else ''}; shorten the prompt or lower "
+                                 "--max-new-tokens") from None
+
+
+def frozen(model):
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model.eval()
+
+
+class Trainer:
+    """The four models, the two optimizers and the KL controller of one PPO run on this rank."""
+
+    def __init__(self, args, tokenizer, prompt_texts: list[str], prompt_ids: list[list[int]]):
+        from megatron_patch.inference import load_model
+        from megatron_patch.names import torch_dtype
+        from megatron_patch.rlhf.critic import load_critic, model_paths
+        from megatron_patch.rlhf.ppo_loss import KLController
+        from megatron_patch.rlhf.rollout import load_reward, policy_and_reference
+
+        self.args, self.tokenizer, self.texts, self.prompt_ids = args, tokenizer, prompt_texts, prompt_ids
+        dtype = torch_dtype(args.dtype)
+        self.policy, self.reference, self.cfg = policy_and_reference(args.mcore_dir, args.hf_dir, args.tp, args.impl,
+                                                                     dtype)
+        self.reward_fn = load_reward(args.reward) if args.reward else None
+        self.reward_model = self.reward_cfg = None
+        if args.reward_model:
+            model, self.reward_cfg = load_model(*model_paths(args.reward_model), args.tp, 1, args.impl, dtype)
+            self.reward_model = frozen(model)
+        critic_from = args.critic or args.reward_model or args.hf_dir or args.mcore_dir
+        self.critic, self.critic_cfg = load_critic(critic_from, args.tp, args.impl, dtype, args.seed)
+        for p in self.critic.parameters():
+            p.requires_grad_(True)
+        self.policy_opt = torch.optim.AdamW(self.policy.parameters(), lr=args.lr, weight_decay=0.0)
+        self.critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=args.critic_lr, weight_decay=0.0)
+        self.kl = KLController(args.kl_coef, args.kl_target, args.kl_horizon)
+        self.device = next(self.policy.parameters()).device
+        self.history: list[dict] = []
+
+    def values(self, tokens: torch.Tensor) -> torch.Tensor:
+        from megatron_patch.rlhf.rollout import model_outputs
+
+        return model_outputs(self.critic, tokens)[..., 0].float()
+
+    def scores(self, rows: list[int], r) -> torch.Tensor:
+        """The reward of each completion: the reward model's value at the sequence's scored token (its last
+        real token, as the reward model was trained and as HF scores it), or the rule's."""
+        from megatron_patch.models.reward import scored_values
+        from megatron_patch.rlhf.rollout import model_outputs, rewards_of
+
+        if self.reward_model is not None:
+            values = model_outputs(self.reward_model, r.tokens).float()
+            return scored_values(values, r.tokens, r.lengths, self.reward_cfg.get("pad_token_id"))
+        return rewards_of(self.reward_fn, self.args.reward, self.texts, rows, r.texts).to(self.device)
+
+    def step(self, step: int):
+        """One PPO step: (its metrics, the rollouts it trained on)."""
+        from megatron_patch.rlhf.ppo_loss import (
+            gae,
+            masked_mean,
+            policy_loss,
+            sequence_kl,
+            token_rewards,
+            value_loss,
+            whiten,
+        )
+        from megatron_patch.rlhf.rollout import check_finite, clip_grad_norm, rollout, token_logps
+
+        a = self.args
+        rows = [(step * a.prompts_per_step + i) % len(self.prompt_ids) for i in range(a.prompts_per_step)]
+        r = rollout(self.policy, self.tokenizer, [self.prompt_ids[i] for i in rows], a.max_new_tokens,
+                    a.temperature, a.top_p, a.seed + step, self.device)
+        self.critic.eval()
+        with torch.no_grad():
+            old = token_logps(self.policy, r.tokens, r.labels)
+            ref = token_logps(self.reference, r.tokens, r.labels)
+            old_values = self.values(r.tokens)
+            scores = self.scores(rows, r)
+        kl = sequence_kl(old, ref, r.mask)
+        rewards = token_rewards(scores, old, ref, r.mask, self.kl.value)
+        if a.whiten_rewards:
+            rewards = whiten(rewards, r.mask, shift_mean=False)
+        advantages, returns = gae(rewards, old_values, r.mask, a.gamma, a.lam)
+        advantages = whiten(advantages, r.mask)
+        stats: dict[str, list[float]] = {k: [] for k in ("policy_loss", "value_loss", "clip_frac",
+                                                          "value_clip_frac", "entropy")}
+        self.policy.train()
+        self.critic.train()
+        for _ in range(a.epochs):
+            for mb in torch.arange(len(rows)).chunk(a.mini_batches):
+                tokens, mask = r.tokens[mb], r.mask[mb]
+                logps, entropy = token_logps(self.policy, tokens, r.labels[mb], entropy=True)
+                pg, clip_frac = policy_loss(logps, old[mb], advantages[mb], mask, a.clip)
+                check_finite(pg, step, "the policy loss")
+                self.policy_opt.zero_grad(set_to_none=True)
+                pg.backward()
+                clip_grad_norm(self.policy.parameters(), a.clip_grad)
+                self.policy_opt.step()
+                vf, value_clip_frac = value_loss(self.values(tokens), old_values[mb], returns[mb], mask, a.value_clip)
+                check_finite(vf, step, "the value loss")
+                self.critic_opt.zero_grad(set_to_none=True)
+                vf.backward()
+                clip_grad_norm(self.critic.parameters(), a.clip_grad)
+                self.critic_opt.step()
+                for k, v in (("policy_loss", pg.item()), ("value_loss", vf.item()), ("clip_frac", clip_frac),
+                             ("value_clip_frac", value_clip_frac), ("entropy", float(masked_mean(entropy, mask)))):
+                    stats[k].append(v)
+        row = {"step": step + 1, "reward": float(scores.mean()), "kl": float(kl.mean()), "kl_coef": self.kl.value,
+               **{k: statistics.mean(v) for k, v in stats.items()},
+               "response_length": statistics.mean(r.completion_lengths)}
+        self.kl.update(row["kl"], len(rows))
+        self.history.append(row)
+        return row, r
+
+    # --- checkpoints --------------------------------------------------------------------------------------
+
+    def save(self, folder: str, step: int) -> None:
+        """`folder/step_N/rank_TT.pt` (actor, critic, both optimizers, RNG) per TP rank, then `state.json`
+        (step, KL coefficient, history) and the tracker `latest`, which is written last: a step folder the
+        tracker names is complete."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        from megatron_patch.cli import is_first_rank
+        from megatron_patch.conversion.atomic import atomic_output_file
+
+        step_dir = os.path.join(folder, f"step_{step:06d}")
+        os.makedirs(step_dir, exist_ok=True)
+        path = os.path.join(step_dir, f"rank_{ps.get_tensor_model_parallel_rank():02d}.pt")
+        torch.save({"actor": self.policy.state_dict(), "critic": self.critic.state_dict(),
+                    "actor_optimizer": self.policy_opt.state_dict(), "critic_optimizer": self.critic_opt.state_dict(),
+                    "rng": torch.get_rng_state()}, path + ".partial")
+        os.replace(path + ".partial", path)
+        if dist.is_initialized():
+            dist.barrier()
+        if is_first_rank():
+            with atomic_output_file(os.path.join(step_dir, STATE)) as f:
+                json.dump({"step": step, "tp": self.args.tp, "kl_coef": self.kl.value, "history": self.history}, f)
+            with atomic_output_file(os.path.join(folder, TRACKER)) as f:
+                f.write(f"{step}\n")
+        if dist.is_initialized():
+            dist.barrier()
+
+    def load(self, folder: str) -> int:
+        """Resume from `folder`'s latest complete step; returns the number of steps done (0: nothing there)."""
+        from megatron.core import parallel_state as ps
+
+        from megatron_patch.cli import is_first_rank
+
+        tracker = os.path.join(folder, TRACKER)
+        if not os.path.isfile(tracker):
+            if is_first_rank():
+                print(f"warning: no PPO checkpoint in {folder} ({TRACKER} missing): starting from step 1",
+                      file=sys.stderr)
+            return 0
+        step = int(open(tracker).read().strip())
+        step_dir = os.path.join(folder, f"step_{step:06d}")
+        state = json.load(open(os.path.join(step_dir, STATE)))
+        if state["tp"] != self.args.tp:
+            raise ValueError(f"--load {folder} was saved at TP={state['tp']}: resume it with --tp {state['tp']}")
+        saved = torch.load(os.path.join(step_dir, f"rank_{ps.get_tensor_model_parallel_rank():02d}.pt"),
+                           map_location=self.device, weights_only=False)
+        self.policy.load_state_dict(saved["actor"])
+        self.critic.load_state_dict(saved["critic"])
+        self.policy_opt.load_state_dict(saved["actor_optimizer"])
+        self.critic_opt.load_state_dict(saved["critic_optimizer"])
+        torch.set_rng_state(saved["rng"])
+        self.kl.value, self.history = state["kl_coef"], state["history"]
+        return step
+
+
+def check_args(args) -> None:
+    import torch.distributed as dist
+
+    if bool(args.reward_model) == bool(args.reward):
+        raise ValueError("pass one of --reward-model DIR (a reward model) or --reward module:function (a rule)")
+    if not (args.mcore_dir or args.hf_dir):
+        raise ValueError("pass --mcore-dir CKPT or --hf-dir DIR (the policy to start from)")
+    if args.pp != 1 or args.ep != 1:
+        raise ValueError("PPO runs its four models in one tensor-parallel group: --pp and --ep must be 1 (pipeline "
+                         "and expert parallelism are not supported yet)")
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    if world != args.tp:
+        raise ValueError(f"PPO runs one replica: start {args.tp} process(es) for --tp {args.tp} (found {world})")
+    if args.mini_batches > args.prompts_per_step:
+        raise ValueError(f"--mini-batches {args.mini_batches} is more than --prompts-per-step "
+                         f"{args.prompts_per_step} (rollouts per step)")
+    if args.kl_coef < 0 or not 0 <= args.gamma <= 1 or not 0 <= args.lam <= 1:
+        raise ValueError("--kl-coef must be >= 0, --gamma and --lam in [0, 1]")
+
+
+def setup(args) -> tuple[Trainer, str]:
+    """(the run's Trainer, the tokenizer folder) after every check of the arguments, outputs, models and
+    prompts: nothing is loaded before they pass."""
+    from megatron_patch.cli import is_first_rank
+    from megatron_patch.conversion.atomic import check_output
+    from megatron_patch.inference import model_folder, read_prompts
+    from megatron_patch.models import load_hf_config
+    from megatron_patch.tokenizer import build_tokenizer
+
+    check_args(args)
+    sources = [args.hf_dir, args.mcore_dir, args.reward_model, args.critic]
+    for out in (args.out, args.critic_out):
+        if out:
+            check_output(out, args.overwrite, sources)
+    if args.out and args.out == args.critic_out:
+        raise ValueError("--out and --critic-out name the same folder")
+    if not args.out and is_first_rank():
+        print("warning: no --out: the trained policy will not be exported", file=sys.stderr)
+    policy_dir = model_folder(args.mcore_dir, args.hf_dir)
+    tok_dir = args.tokenizer or policy_dir
+    tokenizer = build_tokenizer(tok_dir)
+    texts, prompt_ids = read_prompts(args.prompts, tokenizer, args.chat)
+    check_inputs(args, load_hf_config(policy_dir), tokenizer, prompt_ids)
+    torch.manual_seed(args.seed)
+    return Trainer(args, tokenizer, texts, prompt_ids), tok_dir
+
+
+def train(args) -> dict:
+    from megatron_patch.cli import is_first_rank
+    from megatron_patch.rlhf.rollout import save_hf
+
+    trainer, tok_dir = setup(args)
+    first = trainer.load(args.load) if args.load else 0
+    start = time.time()
+    for step in range(first, args.steps):
+        row, _ = trainer.step(step)
+        if is_first_rank():
+            print(json.dumps({k: round(v, 5) if isinstance(v, float) else v for k, v in row.items()}),
+                  file=sys.stderr, flush=True)
+        if args.save and ((step + 1) % args.save_interval == 0 or step + 1 == args.steps):
+            trainer.save(args.save, step + 1)
+    if args.out:
+        save_hf(trainer.policy, trainer.cfg, tok_dir, args.out, args.tp, args.overwrite)
+    if args.critic_out:
+        save_hf(trainer.critic, trainer.critic_cfg, tok_dir, args.critic_out, args.tp, args.overwrite)
+    history = trainer.history
+    k = max(1, len(history) // 5)
+    return {"steps": len(history), "resumed_at": first,
+            "reward_first": round(statistics.mean(r["reward"] for r in history[:k]), 4) if history else None,
+            "reward_last": round(statistics.mean(r["reward"] for r in history[-k:]), 4) if history else None,
+            "kl_max": round(max(r["kl"] for r in history), 4) if history else None,
+            "seconds": round(time.time() - start, 1), "out": args.out, "critic_out": args.critic_out,
+            "history": history}
+
+
+def parser() -> argparse.ArgumentParser:
+    from megatron_patch.cli import HelpFormatter, positive_float, positive_int
+    from megatron_patch.inference import add_model_args
+
+    p = argparse.ArgumentParser(prog="python -m megatron_patch.rlhf.ppo", description=__doc__,
+                                formatter_class=HelpFormatter)
+    add_model_args(p)
+    p.add_argument("--prompts", required=True, help="JSONL prompts (`prompt` text or chat `messages`)")
+    p.add_argument("--chat", action="store_true", help="render plain prompts with the chat template")
+    p.add_argument("--reward-model", help="a reward model (HF ...ForSequenceClassification folder or Megatron "
+                                          "checkpoint) sharing the policy's tokenizer")
+    p.add_argument("--reward", help="or a rule: module:function, called as fn(prompt, completion) -> float")
+    p.add_argument("--critic", help="start the critic from this model (HF folder or Megatron checkpoint; default: the "
+                                    "reward model, else the policy)")
+    p.add_argument("--steps", type=positive_int, default=100, help="PPO steps (rollout + update)")
+    p.add_argument("--prompts-per-step", type=positive_int, default=16, help="rollouts per step (one per prompt)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=128, help="longest completion")
+    p.add_argument("--temperature", type=positive_float, default=1.0, help="sampling temperature of the rollouts")
+    p.add_argument("--top-p", type=float, default=0.0, help="nucleus sampling of the rollouts (0: off)")
+    p.add_argument("--lr", type=positive_float, default=1e-6, help="actor AdamW learning rate")
+    p.add_argument("--critic-lr", type=positive_float, default=5e-6, help="critic AdamW learning rate")
+    p.add_argument("--epochs", type=positive_int, default=1, help="passes over each batch of rollouts")
+    p.add_argument("--mini-batches", type=positive_int, default=1, help="optimizer steps per pass")
+    p.add_argument("--clip", type=positive_float, default=0.2, help="policy ratio clip")
+    p.add_argument("--value-clip", type=positive_float, default=0.2, help="value clip around the rollout's values")
+    p.add_argument("--gamma", type=float, default=1.0, help="discount")
+    p.add_argument("--lam", type=float, default=0.95, help="GAE lambda")
+    p.add_argument("--kl-coef", type=float, default=0.05, help="KL penalty coefficient (the start, if adaptive)")
+    p.add_argument("--kl-target", type=positive_float, help="adaptive KL: the per-completion KL aimed at (off: fixed)")
+    p.add_argument("--kl-horizon", type=positive_int, default=10000, help="adaptive KL: horizon in rollouts")
+    p.add_argument("--whiten-rewards", action="store_true", help="rescale token rewards to unit variance per batch")
+    p.add_argument("--clip-grad", type=positive_float, default=1.0, help="gradient norm clip (each model)")
+    p.add_argument("--seed", type=int, default=1234, help="sampling seed (and the fresh value head's)")
+    p.add_argument("--out", help="write the final actor here as an HF causal LM")
+    p.add_argument("--critic-out", help="write the final critic here as an HF ...ForSequenceClassification")
+    p.add_argument("--overwrite", action="store_true", help="replace existing --out / --critic-out folders")
+    p.add_argument("--save", help="checkpoint folder (every --save-interval steps and at the end)")
+    p.add_argument("--save-interval", type=positive_int, default=50, help="steps between checkpoints")
+    p.add_argument("--load", help="resume from this checkpoint folder's latest step")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from megatron_patch.cli import run as run_tool
+
+    args = parser().parse_args(argv)
+    return run_tool(lambda: train(args))[0]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
