@@ -1,57 +1,93 @@
 #!/usr/bin/env bash
-# Shared launcher behind examples/<family>/{pretrain,sft,rlhf_rm,rlhf_dpo}.sh: named options with defaults, everything
-# after them passed through to Megatron, torchrun sized from the environment so the same script runs
-# on one GPU and on a multi-node cluster.
+# Shared launcher of the training tasks (examples/pretrain.sh, examples/sft.sh; rlhf/sft.sh, rlhf/rm.sh, rlhf/dpo.sh):
+# named options, an optional recipe per released model size, everything after them passed to Megatron, torchrun
+# sized from the environment so the same script runs on one GPU and on a multi-node cluster.
 #
-#   examples/<family>/pretrain.sh [--model DIR] [--data PREFIX] [--tokenizer DIR] [--tp N] [--pp N] [--ep N]
-#       [--precision bf16|fp16|fp8|fp32] [--seq-length N] [--mbs N] [--gbs N] [--lr X] [--iters N]
-#       [--split TRAIN,VALID,TEST] [--out DIR] [--from-hf] [--profile default|benchmark|none] [--cpu] [--dry-run]
-#       [--help] [-- any Megatron-LM argument ...]
+#   examples/pretrain.sh [--recipe FAMILY/MODEL|FILE] [--model DIR] [--data PREFIX] [--tokenizer DIR]
+#       [--tp N] [--pp N] [--vpp N] [--cp N] [--ep N] [--etp N] [--precision bf16|fp16|fp8|fp32]
+#       [--seq-length N] [--mbs N] [--gbs N] [--lr X] [--min-lr X] [--iters N] [--split TRAIN,VALID,TEST]
+#       [--out DIR] [--from-hf] [--lora RANK] [--profile default|benchmark|none] [--cpu] [--dry-run] [--help]
+#       [-- any Megatron-LM argument ...]
 #
+# --recipe: examples/FAMILY/MODEL.env (or a file of the same form): the layout, batch, learning rate, sequence
+# length, precision and GPU settings of one released model (examples/<family>/README.md lists them); the last
+# part of its HF_ID is the default --model folder. An option given here wins over the recipe, the recipe over
+# the defaults; a recipe's KEY applies to every task, PRETRAIN_KEY / SFT_KEY / RM_KEY / DPO_KEY to that one, but
+# its LR is pretraining's: the other tasks need their own (SFT_LR, RM_LR, DPO_LR) or --lr.
 # --model: an HF folder (config.json, tokenizer; with --from-hf also the weights to start from).
 # --data: pretrain: an indexed-dataset prefix (toolkits.preprocess_data); sft: JSONL conversations;
 # rlhf.reward_model / rlhf.dpo: JSONL preference rows {"prompt", "chosen", "rejected"}.
+# --tp/--pp/--cp/--ep/--etp: tensor, pipeline, context, expert and expert-tensor parallel sizes; --vpp: virtual
+# pipeline stages per pipeline rank (not with --from-hf).
+# --lora RANK: train LoRA adapters of this rank on every linear layer (alpha 2 x RANK) on a frozen base read
+# with --from-hf (which it needs); default --lr 1e-4; no sequence parallelism; OUT/peft: the PEFT adapter
+# folder (docs/lora.md).
 # --split (pretrain): document shares of training, validation and test (default 99,1,0; a share too
 # small to hold a document is an error; 100,0,0 trains without validation).
 # --profile: megatron_patch's --throughput-profile (default: settings that cost no accuracy; benchmark: also
 # without the per-step NaN and rerun checks; none: Megatron's own defaults).
-# --cpu: train a tiny model on the CPU (megatron_patch's --cpu: local implementation, gloo; fp32 by
-# default, no distributed optimizer; one process unless NPROC_PER_NODE is set).
-# Defaults: --tp 1 --pp 1 --ep 1 --precision bf16 --seq-length 4096 --mbs 1 --gbs 32 --lr 3e-4 (min lr /10,
-# cosine) --iters 1000 --out checkpoints/run (saved at the end and every 1000 iterations; resumed from).
-# Environment: NPROC_PER_NODE (default: GPUs visible, else 1), NNODES (1), NODE_RANK (0),
-# MASTER_ADDR (localhost), MASTER_PORT (6000); PYTHON (python: the interpreter that runs torch.distributed.run).
+# --cpu: train a tiny model on the CPU (megatron_patch's --cpu: local implementation, gloo; fp32 by default, no
+# distributed optimizer, a recipe's PRECISION and GPU_ARGS left out; one process unless NPROC_PER_NODE is set).
+# Defaults: --tp 1 --pp 1 --cp 1 --ep 1 --precision bf16 --seq-length 4096 --mbs 1 --gbs 32 --lr 3e-4 (--min-lr:
+# the lr / 10, cosine) --iters 1000 --out checkpoints/run (saved at the end and every 1000 iterations; resumed from).
+# Environment: NPROC_PER_NODE (default: GPUs visible, else 1), NNODES (1), NODE_RANK (0), MASTER_ADDR
+# (localhost), MASTER_PORT (6000); PYTHON (python: the interpreter that runs torch.distributed.run).
 # The entry point's own options and every Megatron-LM argument: python -m megatron_patch.<entry> --help.
 set -euo pipefail
 
 usage() {
   sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'
-  if [[ -n "${ENTRY:-}" ]]; then echo "This script runs megatron_patch.$ENTRY; default --model: ${MODEL:-none}."; fi
+  if [[ -n "${ENTRY:-}" ]]; then echo "This script runs megatron_patch.$ENTRY."; fi
+}
+die() { echo "error: $*" >&2; exit 1; }
+
+# A recipe: KEY=VALUE lines (VALUE bare or "double-quoted"), # comments; an unknown key is an error.
+RECIPE_KEYS=" HF_ID LAYERS HEADS KV_HEADS EXPERTS GPUS TP PP VPP CP EP ETP SEQ MBS GBS LR MIN_LR PRECISION PROFILE"
+RECIPE_KEYS+=" GPU_ARGS "
+TASK_KEYS=" TP PP VPP CP EP ETP SEQ MBS GBS LR MIN_LR GPU_ARGS "
+declare -A R=()
+read_recipe() {
+  local file=$1 line key n=0
+  while IFS= read -r line || [[ -n "$line" ]]; do
+    n=$((n + 1))
+    [[ "$line" =~ ^[[:space:]]*(#.*)?$ ]] && continue
+    [[ "$line" =~ ^([A-Z0-9_]+)=(\"([^\"]*)\"|([^[:space:]\"#]*))[[:space:]]*(#.*)?$ ]] \
+      || die "$file:$n: not a KEY=VALUE line: $line"
+    key=${BASH_REMATCH[1]}
+    [[ "$RECIPE_KEYS" == *" $key "* ||
+       ( " PRETRAIN SFT RM DPO " == *" ${key%%_*} "* && "$TASK_KEYS" == *" ${key#*_} "* ) ]] \
+      || die "$file:$n: unknown key $key (keys: $RECIPE_KEYS; per task: PRETRAIN_/SFT_/RM_/DPO_ +$TASK_KEYS)"
+    R[$key]=${BASH_REMATCH[3]}${BASH_REMATCH[4]}
+  done < "$file"
 }
 
-MODEL=${MODEL:-}
-DATA=${DATA:-}
-TOKENIZER="" PRECISION="" SPLIT="" PROFILE=default
-TP=1 PP=1 EP=1 SEQ=4096 MBS=1 GBS=32 LR=3e-4 ITERS=1000 OUT=checkpoints/run FROM_HF=0 CPU=0 DRY_RUN=0
-
+MODEL=${MODEL:-} DATA=${DATA:-} RECIPE="" TOKENIZER="" SPLIT="" FROM_HF=0 CPU=0 DRY_RUN=0 LORA=""
+TP="" PP="" VPP="" CP="" EP="" ETP="" PRECISION="" PROFILE="" SEQ="" MBS="" GBS="" LR="" MIN_LR="" ITERS=1000
+OUT=checkpoints/run
 while [[ $# -gt 0 ]]; do
   case "$1" in
+    --recipe) RECIPE=$2; shift 2 ;;
     --model) MODEL=$2; shift 2 ;;
     --data) DATA=$2; shift 2 ;;
     --tokenizer) TOKENIZER=$2; shift 2 ;;
     --tp) TP=$2; shift 2 ;;
     --pp) PP=$2; shift 2 ;;
+    --vpp) VPP=$2; shift 2 ;;
+    --cp) CP=$2; shift 2 ;;
     --ep) EP=$2; shift 2 ;;  # expert parallel (mixture-of-experts families)
+    --etp) ETP=$2; shift 2 ;;
     --precision) PRECISION=$2; shift 2 ;;
     --profile) PROFILE=$2; shift 2 ;;
     --seq-length) SEQ=$2; shift 2 ;;
     --mbs) MBS=$2; shift 2 ;;
     --gbs) GBS=$2; shift 2 ;;
     --lr) LR=$2; shift 2 ;;
+    --min-lr) MIN_LR=$2; shift 2 ;;
     --iters) ITERS=$2; shift 2 ;;
     --split) SPLIT=$2; shift 2 ;;
     --out) OUT=$2; shift 2 ;;
     --from-hf) FROM_HF=1; shift ;;
+    --lora) LORA=$2; shift 2 ;;
     --cpu) CPU=1; shift ;;
     --dry-run) DRY_RUN=1; shift ;;
     -h|--help) usage; exit 0 ;;
@@ -60,17 +96,38 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 
-ENTRY=${ENTRY:?set by the family script: pretrain, sft, rlhf.reward_model or rlhf.dpo}
-[[ -n "$MODEL" ]] || { echo "error: --model HF_DIR is required (config.json of the model to train)" >&2; exit 1; }
+ENTRY=${ENTRY:?set by the task script: pretrain, sft, rlhf.reward_model or rlhf.dpo}
+case "$ENTRY" in
+  pretrain) TASK=PRETRAIN ;; sft) TASK=SFT ;; rlhf.reward_model) TASK=RM ;; rlhf.dpo) TASK=DPO ;;
+  *) TASK=${ENTRY^^} TASK=${TASK//./_} ;;
+esac
+[[ -z "$LORA" || -n "$LR" ]] || LR=1e-4  # adapters learn at a higher rate than full fine-tuning
+if [[ -n "$RECIPE" ]]; then
+  FILE=$RECIPE
+  [[ -f "$FILE" ]] || FILE="$(dirname "${BASH_SOURCE[0]}")/$RECIPE.env"
+  [[ -f "$FILE" ]] || die "--recipe $RECIPE: no such recipe (examples/<family>/README.md lists them: FAMILY/MODEL)"
+  read_recipe "$FILE"
+  [[ "$TASK" == PRETRAIN || -n "$LR" || -n "${R[${TASK}_LR]:-}" ]] \
+    || die "recipe $RECIPE sets no ${TASK}_LR (its LR is for pretraining): pass --lr"
+  HF_ID=${R[HF_ID]:-} MODEL=${MODEL:-${HF_ID##*/}}
+fi
+recipe() { echo "${R[${TASK}_$1]:-${R[$1]:-$2}}"; }  # this task's value, else the recipe's, else the default
+[[ -n "$LR" || -n "${R[${TASK}_LR]:-}" ]] || MIN_LR=${MIN_LR:-${R[MIN_LR]:-}}  # MIN_LR goes with the LR
+TP=${TP:-$(recipe TP 1)} PP=${PP:-$(recipe PP 1)} VPP=${VPP:-$(recipe VPP 1)} CP=${CP:-$(recipe CP 1)}
+EP=${EP:-$(recipe EP 1)} ETP=${ETP:-$(recipe ETP "")} SEQ=${SEQ:-$(recipe SEQ 4096)} MBS=${MBS:-$(recipe MBS 1)}
+GBS=${GBS:-$(recipe GBS 32)} LR=${LR:-$(recipe LR 3e-4)} PROFILE=${PROFILE:-$(recipe PROFILE default)}
+MIN_LR=${MIN_LR:-${R[${TASK}_MIN_LR]:-$(awk "BEGIN { printf \"%g\", $LR / 10 }")}}
+
+[[ -n "$MODEL" ]] || die "--model HF_DIR is required (config.json of the model to train), or a --recipe with HF_ID"
 EVAL_ARGS=()
 if [[ "$ENTRY" == sft ]]; then
-  [[ -n "$DATA" ]] || { echo "error: --data FILE.jsonl is required (chat or instruction JSONL)" >&2; exit 1; }
+  [[ -n "$DATA" ]] || die "--data FILE.jsonl is required (chat or instruction JSONL)"
   DATA_ARGS=(--sft-data "$DATA")
 elif [[ "$ENTRY" == rlhf.* ]]; then
-  [[ -n "$DATA" ]] || { echo "error: --data FILE.jsonl is required (preference JSONL)" >&2; exit 1; }
+  [[ -n "$DATA" ]] || die "--data FILE.jsonl is required (preference JSONL)"
   DATA_ARGS=(--pref-data "$DATA")
 else
-  [[ -n "$DATA" ]] || { echo "error: --data PREFIX is required (python -m toolkits.preprocess_data makes it)" >&2; exit 1; }
+  [[ -n "$DATA" ]] || die "--data PREFIX is required (python -m toolkits.preprocess_data makes it)"
   DATA_ARGS=(--data-path "$DATA")
   [[ -z "$SPLIT" ]] || DATA_ARGS+=(--split "$SPLIT")
   IFS=, read -r _ VALID_SHARE _ <<< "${SPLIT:-99,1,0}"
@@ -81,24 +138,39 @@ TOKENIZER=${TOKENIZER:-$MODEL}
 if [[ "$CPU" == 1 ]]; then
   NPROC_PER_NODE=${NPROC_PER_NODE:-1} PRECISION=${PRECISION:-fp32} DEVICE_ARGS=(--cpu)
 else
-  PRECISION=${PRECISION:-bf16} DEVICE_ARGS=(--use-distributed-optimizer)
+  PRECISION=${PRECISION:-$(recipe PRECISION bf16)} DEVICE_ARGS=(--use-distributed-optimizer)
+  read -ra GPU_ARGS <<< "$(recipe GPU_ARGS "")"
+  DEVICE_ARGS+=("${GPU_ARGS[@]}")
+fi
+LORA_ARGS=()
+if [[ -n "$LORA" ]]; then
+  [[ "$FROM_HF" == 1 ]] || die "--lora trains adapters on a frozen base: pass --from-hf (the base's HF folder is --model)"
+  [[ "$LORA" =~ ^[1-9][0-9]*$ ]] || die "--lora RANK must be a positive integer, got '$LORA'"
+  for i in "${!DEVICE_ARGS[@]}"; do [[ "${DEVICE_ARGS[$i]}" != --sequence-parallel ]] || unset "DEVICE_ARGS[$i]"; done
+  LORA_ARGS=(--lora-rank "$LORA" --lora-alpha $((2 * LORA)) --lora-target all-linear --save-peft "$OUT/peft")
 fi
 if [[ -z "${NPROC_PER_NODE:-}" ]]; then
   NPROC_PER_NODE=$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU' || true)
   [[ "$NPROC_PER_NODE" -gt 0 ]] || NPROC_PER_NODE=1
 fi
+WORLD=$((NPROC_PER_NODE * ${NNODES:-1}))
+(( WORLD % (TP * PP * CP) == 0 )) || die "TP x PP x CP = $((TP * PP * CP)) does not divide the $WORLD processes" \
+  "(NNODES=${NNODES:-1} x NPROC_PER_NODE=$NPROC_PER_NODE)${R[GPUS]:+; recipe $RECIPE is laid out for ${R[GPUS]} GPUs}"
 
+LAYOUT_ARGS=(--tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" --context-parallel-size "$CP"
+             --expert-model-parallel-size "$EP")
+[[ -z "$ETP" ]] || LAYOUT_ARGS+=(--expert-tensor-parallel-size "$ETP")
+[[ "$VPP" == 1 ]] || LAYOUT_ARGS+=(--num-virtual-stages-per-pipeline-rank "$VPP")
 if [[ "$FROM_HF" == 1 ]]; then MODEL_ARGS=(--load-hf "$MODEL"); else MODEL_ARGS=(--hf-config "$MODEL"); fi
 CMD=("${PYTHON:-python}" -m torch.distributed.run --nproc_per_node "$NPROC_PER_NODE" --nnodes "${NNODES:-1}"
      --node_rank "${NODE_RANK:-0}" --master_addr "${MASTER_ADDR:-localhost}" --master_port "${MASTER_PORT:-6000}"
      -m "megatron_patch.$ENTRY" "${MODEL_ARGS[@]}"
-     --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER" "${DATA_ARGS[@]}"
-     --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" --expert-model-parallel-size "$EP"
+     --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER" "${DATA_ARGS[@]}" "${LAYOUT_ARGS[@]}"
      --precision "$PRECISION" --throughput-profile "$PROFILE"
      --seq-length "$SEQ" --micro-batch-size "$MBS" --global-batch-size "$GBS"
-     --lr "$LR" --min-lr "$(awk "BEGIN { printf \"%g\", $LR / 10 }")" --lr-decay-style cosine --lr-warmup-fraction 0.01
+     --lr "$LR" --min-lr "$MIN_LR" --lr-decay-style cosine --lr-warmup-fraction 0.01
      --train-iters "$ITERS" --save "$OUT" --load "$OUT" --save-interval 1000 --log-interval 10
-     "${EVAL_ARGS[@]}" "${DEVICE_ARGS[@]}" "$@")
+     "${EVAL_ARGS[@]}" "${DEVICE_ARGS[@]}" "${LORA_ARGS[@]}" "$@")
 
 if [[ "$DRY_RUN" == 1 ]]; then
   printf '%q ' CUDA_DEVICE_MAX_CONNECTIONS=1 "${CMD[@]}"; echo

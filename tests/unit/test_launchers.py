@@ -1,24 +1,62 @@
-"""examples/<family>/pretrain.sh: one per registered family; --dry-run prints the full torchrun command
-(named options, defaults, environment-sized torchrun run by $PYTHON, Megatron arguments passed through);
---help prints the launcher's usage; --split and --cpu."""
+"""The launchers: one generic script per task (examples/{pretrain,sft,generate,evaluate,convert}.sh, the training
+ones over examples/launch.sh) and the recipes of released model sizes (examples/<family>/<Model>.env).
 
+--dry-run prints the full torchrun command (named options, recipe values, defaults, environment-sized torchrun
+run by $PYTHON, Megatron arguments passed through); --help prints the usage. Every recipe parses (here and in
+bash, with the same result), its layout is valid for the released model's facts at its GPU count
+(`Layout.check`, experts, virtual pipeline, data-parallel batch), each task's command carries its values, and
+the family README's table is the one the recipes give."""
+
+from __future__ import annotations
+
+import glob
 import os
+import re
 import shlex
 import subprocess
 
 import pytest
 
-from megatron_patch.models import families
+from megatron_patch.models import Layout, families
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+EXAMPLES = os.path.join(ROOT, "examples")
+RECIPES = sorted(glob.glob(os.path.join(EXAMPLES, "*", "*.env")))
+RECIPE_IDS = [os.path.relpath(p, EXAMPLES)[:-4] for p in RECIPES]  # FAMILY/MODEL, as --recipe takes it
+TASKS = {"PRETRAIN": ("pretrain.sh", "megatron_patch.pretrain"), "SFT": ("sft.sh", "megatron_patch.sft"),
+         "RM": ("../rlhf/rm.sh", "megatron_patch.rlhf.reward_model"),
+         "DPO": ("../rlhf/dpo.sh", "megatron_patch.rlhf.dpo")}
+DEFAULTS = {"TP": "1", "PP": "1", "VPP": "1", "CP": "1", "EP": "1", "ETP": "", "SEQ": "4096", "MBS": "1",
+            "GBS": "32", "PRECISION": "bf16", "PROFILE": "default", "GPU_ARGS": ""}
+LINE = re.compile(r'^([A-Z0-9_]+)=(?:"([^"]*)"|([^\s"#]*))\s*(?:#.*)?$')
 
 
-def _dry_run(family: str, *args: str, entry: str = "pretrain", **env: str) -> tuple[int, list[str], str]:
-    script = os.path.join(ROOT, "examples", family, f"{entry}.sh")
+def read_recipe(path: str) -> dict[str, str]:
+    """A recipe file as {KEY: VALUE} (the format examples/launch.sh reads: KEY=VALUE lines, # comments)."""
+    out = {}
+    for n, line in enumerate(open(path, encoding="utf-8"), 1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        m = LINE.match(line.rstrip("\n"))
+        assert m, f"{path}:{n}: {line!r}"
+        out[m[1]] = m[2] if m[2] is not None else m[3]
+    return out
+
+
+def task_values(recipe: dict[str, str], task: str) -> dict[str, str]:
+    """What the launcher uses for `task`: the task's own key, else the recipe's, else the launcher's default."""
+    out = {k: recipe.get(f"{task}_{k}", recipe.get(k, DEFAULTS.get(k))) for k in (*DEFAULTS, "LR")}
+    own_lr = f"{task}_LR" in recipe  # a recipe's MIN_LR goes with its LR, not with a task's own LR
+    out["MIN_LR"] = recipe.get(f"{task}_MIN_LR", recipe.get("MIN_LR") if not own_lr else None) or \
+        f"{float(out['LR']) / 10:g}"
+    return out
+
+
+def _run(script: str, *args: str, dry_run: bool = True, **env: str) -> tuple[int, list[str], str]:
     environ = {k: v for k, v in os.environ.items() if k not in ("NPROC_PER_NODE", "NNODES", "MODEL", "DATA")}
-    p = subprocess.run(["bash", script, "--dry-run", *args], capture_output=True, text=True,
-                       env={**environ, "PATH": "/usr/bin:/bin", **env})
-    return p.returncode, shlex.split(p.stdout), p.stderr
+    p = subprocess.run(["bash", os.path.join(EXAMPLES, script), *(["--dry-run"] if dry_run else []), *args],
+                       capture_output=True, text=True, env={**environ, "PATH": "/usr/bin:/bin", **env})
+    return p.returncode, shlex.split(p.stdout) if dry_run and p.returncode == 0 else [], p.stderr
 
 
 def _entry(cmd: list[str]) -> str:
@@ -26,109 +64,350 @@ def _entry(cmd: list[str]) -> str:
     return cmd[cmd.index("-m", cmd.index("torch.distributed.run")) + 1]
 
 
-@pytest.mark.parametrize("entry,data_flag", [("pretrain", "--data-path"), ("sft", "--sft-data")])
+def _opt(cmd: list[str], name: str) -> str:
+    return cmd[cmd.index(name) + 1]
+
+
+# ---- the generic launchers ---------------------------------------------------------------------------------
+
+def test_no_per_family_launchers():
+    """A family folder holds recipes and a README, never a script: every task has one generic launcher."""
+    scripts = [os.path.relpath(p, EXAMPLES) for p in glob.glob(os.path.join(EXAMPLES, "*", "*"))
+               if not p.endswith((".env", "README.md"))]
+    assert scripts == []
+    assert sorted(os.path.basename(p) for p in glob.glob(os.path.join(EXAMPLES, "*.sh"))) == \
+        ["convert.sh", "evaluate.sh", "generate.sh", "launch.sh", "pretrain.sh", "sft.sh"]
+
+
 @pytest.mark.parametrize("family", sorted(families()))
-def test_every_family_has_launchers(family, entry, data_flag):
-    code, cmd, err = _dry_run(family, "--data", "corpus", entry=entry)
-    assert code == 0, err
-    assert cmd[:5] == ["CUDA_DEVICE_MAX_CONNECTIONS=1", "python", "-m", "torch.distributed.run", "--nproc_per_node"]
-    assert _entry(cmd) == f"megatron_patch.{entry}"
-    assert cmd[cmd.index(data_flag) + 1] == "corpus"
-    assert cmd[cmd.index("--hf-config") + 1] == cmd[cmd.index("--tokenizer-model") + 1]
+def test_every_registered_family_launches_with_model(family):
+    """A family with no recipe (a new one included) trains through the same launchers with --model."""
+    for task, data_flag in (("PRETRAIN", "--data-path"), ("SFT", "--sft-data"), ("RM", "--pref-data"),
+                            ("DPO", "--pref-data")):
+        script, entry = TASKS[task]
+        code, cmd, err = _run(script, "--model", f"/models/{family}", "--data", "corpus", "--lr", "1e-5")
+        assert code == 0, err
+        assert cmd[:5] == ["CUDA_DEVICE_MAX_CONNECTIONS=1", "python", "-m", "torch.distributed.run", "--nproc_per_node"]
+        assert _entry(cmd) == entry and _opt(cmd, data_flag) == "corpus"
+        assert _opt(cmd, "--load-hf" if task in ("RM", "DPO") else "--hf-config") == f"/models/{family}"
+        assert _opt(cmd, "--tokenizer-model") == f"/models/{family}"
 
 
 def test_named_options_environment_and_passthrough():
-    code, cmd, _ = _dry_run("qwen2", "--model", "/m/Qwen2.5-0.5B", "--data", "/d/x_text_document", "--tp", "2",
-                            "--pp", "4", "--precision", "fp8", "--mbs", "2", "--gbs", "64", "--lr", "1e-3",
-                            "--iters", "500", "--out", "/ckpt", "--from-hf", "--profile", "benchmark", "--",
-                            "--recompute-activations",
-                            "--seed", "7", NPROC_PER_NODE="8", NNODES="4", NODE_RANK="3", MASTER_ADDR="node0")
-    assert code == 0
-
-    def opt(name):
-        return cmd[cmd.index(name) + 1]
-
-    assert (opt("--nproc_per_node"), opt("--nnodes"), opt("--node_rank"), opt("--master_addr")) == \
-        ("8", "4", "3", "node0")
-    assert opt("--load-hf") == "/m/Qwen2.5-0.5B" and "--hf-config" not in cmd
-    assert (opt("--tensor-model-parallel-size"), opt("--pipeline-model-parallel-size")) == ("2", "4")
-    assert (opt("--precision"), opt("--micro-batch-size"), opt("--global-batch-size")) == ("fp8", "2", "64")
-    assert (opt("--lr"), opt("--min-lr"), opt("--train-iters"), opt("--save")) == ("1e-3", "0.0001", "500", "/ckpt")
-    assert opt("--throughput-profile") == "benchmark"
+    code, cmd, err = _run("pretrain.sh", "--model", "/m/Qwen2.5-0.5B", "--data", "/d/x_text_document", "--tp", "2",
+                          "--pp", "4", "--vpp", "3", "--cp", "2", "--precision", "fp8", "--mbs", "2", "--gbs", "64",
+                          "--lr", "1e-3", "--iters", "500", "--out", "/ckpt", "--from-hf", "--profile", "benchmark",
+                          "--", "--recompute-activations", "--seed", "7",
+                          NPROC_PER_NODE="8", NNODES="4", NODE_RANK="3", MASTER_ADDR="node0")
+    assert code == 0, err
+    assert (_opt(cmd, "--nproc_per_node"), _opt(cmd, "--nnodes"), _opt(cmd, "--node_rank"),
+            _opt(cmd, "--master_addr")) == ("8", "4", "3", "node0")
+    assert _opt(cmd, "--load-hf") == "/m/Qwen2.5-0.5B" and "--hf-config" not in cmd
+    assert (_opt(cmd, "--tensor-model-parallel-size"), _opt(cmd, "--pipeline-model-parallel-size"),
+            _opt(cmd, "--context-parallel-size"), _opt(cmd, "--num-virtual-stages-per-pipeline-rank")) == \
+        ("2", "4", "2", "3")
+    assert (_opt(cmd, "--precision"), _opt(cmd, "--micro-batch-size"), _opt(cmd, "--global-batch-size")) == \
+        ("fp8", "2", "64")
+    assert (_opt(cmd, "--lr"), _opt(cmd, "--min-lr"), _opt(cmd, "--train-iters"), _opt(cmd, "--save")) == \
+        ("1e-3", "0.0001", "500", "/ckpt")
+    assert _opt(cmd, "--throughput-profile") == "benchmark"
+    assert "--expert-tensor-parallel-size" not in cmd  # not set: Megatron's default (TP)
     assert cmd[-3:] == ["--recompute-activations", "--seed", "7"]  # passed through last: they win
 
 
-def test_missing_required_options():
-    code, _, err = _dry_run("llama", "--model", "m")
+def test_missing_required_options_and_a_layout_the_world_cannot_hold():
+    code, _, err = _run("pretrain.sh", "--model", "m")
     assert code == 1 and "--data PREFIX is required" in err
+    code, _, err = _run("pretrain.sh", "--data", "d")
+    assert code == 1 and "--model HF_DIR is required" in err
+    code, _, err = _run("pretrain.sh", "--model", "m", "--data", "d", "--tp", "4", "--pp", "2", NPROC_PER_NODE="4")
+    assert code == 1 and "error: TP x PP x CP = 8 does not divide the 4 processes" in err
 
 
-@pytest.mark.parametrize("family", sorted(families()))
-def test_generate_and_evaluate_launchers(family):
+def test_generate_evaluate_and_convert_launchers():
     for tool in ("generate", "evaluate"):
-        script = os.path.join(ROOT, "examples", family, f"{tool}.sh")
-        text = open(script).read()
+        text = open(os.path.join(EXAMPLES, f"{tool}.sh")).read()
         assert f"-m megatron_patch.{tool} --mcore-dir" in text
-        p = subprocess.run(["bash", script], capture_output=True, text=True)
-        assert p.returncode != 0 and "checkpoint folder" in p.stderr
+        code, _, err = _run(f"{tool}.sh", dry_run=False)
+        assert code != 0 and "checkpoint folder" in err
+    code, _, err = _run("convert.sh", dry_run=False)
+    assert code != 0 and "HF folder" in err
 
 
-@pytest.mark.parametrize("family", sorted(families()))
-def test_rlhf_launchers(family):
-    for script, entry in (("rlhf_rm", "rlhf.reward_model"), ("rlhf_dpo", "rlhf.dpo")):
-        code, cmd, err = _dry_run(family, "--data", "prefs.jsonl", entry=script)
-        assert code == 0, err
-        assert _entry(cmd) == f"megatron_patch.{entry}"
-        assert cmd[cmd.index("--pref-data") + 1] == "prefs.jsonl"
-        assert cmd[cmd.index("--load-hf") + 1] == cmd[cmd.index("--tokenizer-model") + 1]
-    text = open(os.path.join(ROOT, "examples", family, "rlhf_grpo.sh")).read()
-    assert "-m megatron_patch.rlhf.grpo --hf-dir" in text
-    p = subprocess.run(["bash", os.path.join(ROOT, "examples", family, "rlhf_grpo.sh")], capture_output=True, text=True)
-    assert p.returncode != 0 and "HF model folder" in p.stderr
-
-
-def test_expert_parallel_option():
-    code, cmd, err = _dry_run("mixtral", "--data", "corpus", "--ep", "4", "--tp", "2")
+def test_expert_parallel_options():
+    code, cmd, err = _run("pretrain.sh", "--model", "m", "--data", "corpus", "--ep", "4", "--etp", "1", "--tp", "2",
+                          NPROC_PER_NODE="8")
     assert code == 0, err
-    assert cmd[cmd.index("--expert-model-parallel-size") + 1] == "4"
-    assert _entry(cmd) == "megatron_patch.pretrain"
+    assert (_opt(cmd, "--expert-model-parallel-size"), _opt(cmd, "--expert-tensor-parallel-size")) == ("4", "1")
 
 
-@pytest.mark.parametrize("script", ["pretrain", "sft", "rlhf_rm", "rlhf_dpo"])
+@pytest.mark.parametrize("script", ["pretrain.sh", "sft.sh", "../rlhf/rm.sh", "../rlhf/dpo.sh"])
 def test_help_prints_the_launchers_usage(script):
     """--help (and -h) print the named options and the environment, then exit 0 without launching."""
     for flag in ("--help", "-h"):
-        p = subprocess.run(["bash", os.path.join(ROOT, "examples", "llama", f"{script}.sh"), flag],
-                           capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"})
+        p = subprocess.run(["bash", os.path.join(EXAMPLES, script), flag], capture_output=True, text=True,
+                           env={"PATH": "/usr/bin:/bin"})
         assert p.returncode == 0, p.stderr
-        for text in ("[--model DIR]", "[--split TRAIN,VALID,TEST]", "--cpu", "NPROC_PER_NODE", "PYTHON",
-                     "default --model: Llama-3.1-8B", "python -m megatron_patch.<entry> --help"):
+        for text in ("[--recipe FAMILY/MODEL|FILE]", "[--model DIR]", "[--split TRAIN,VALID,TEST]", "--cpu",
+                     "NPROC_PER_NODE", "PYTHON", "SFT_KEY", "python -m megatron_patch.<entry> --help"):
             assert text in p.stdout, (text, p.stdout)
-    p = subprocess.run(["bash", os.path.join(ROOT, "examples", "launch.sh"), "--help"], capture_output=True, text=True)
+    p = subprocess.run(["bash", os.path.join(EXAMPLES, "launch.sh"), "--help"], capture_output=True, text=True)
     assert p.returncode == 0 and "[--model DIR]" in p.stdout
 
 
 def test_python_variable_runs_torch_distributed():
-    code, cmd, _ = _dry_run("llama", "--data", "corpus", PYTHON="/opt/venv/bin/python")
+    code, cmd, _ = _run("pretrain.sh", "--model", "m", "--data", "corpus", PYTHON="/opt/venv/bin/python")
     assert code == 0 and cmd[1:4] == ["/opt/venv/bin/python", "-m", "torch.distributed.run"]
 
 
 def test_split_is_an_option_not_hard_coded():
     """No --split unless asked (the entry point's default applies); evaluation only with a validation share."""
-    code, cmd, _ = _dry_run("llama", "--data", "corpus")
-    assert code == 0 and "--split" not in cmd and cmd[cmd.index("--eval-iters") + 1] == "10"
-    code, cmd, _ = _dry_run("llama", "--data", "corpus", "--split", "90,10,0")
-    assert code == 0 and cmd[cmd.index("--split") + 1] == "90,10,0" and "--eval-iters" in cmd
-    code, cmd, _ = _dry_run("llama", "--data", "corpus", "--split", "100,0,0")
-    assert code == 0 and cmd[cmd.index("--split") + 1] == "100,0,0" and "--eval-iters" not in cmd
-    for entry in ("sft", "rlhf_rm", "rlhf_dpo"):  # these trainers have no validation set
-        code, cmd, _ = _dry_run("llama", "--data", "x.jsonl", entry=entry)
+    code, cmd, _ = _run("pretrain.sh", "--model", "m", "--data", "corpus")
+    assert code == 0 and "--split" not in cmd and _opt(cmd, "--eval-iters") == "10"
+    code, cmd, _ = _run("pretrain.sh", "--model", "m", "--data", "corpus", "--split", "90,10,0")
+    assert code == 0 and _opt(cmd, "--split") == "90,10,0" and "--eval-iters" in cmd
+    code, cmd, _ = _run("pretrain.sh", "--model", "m", "--data", "corpus", "--split", "100,0,0")
+    assert code == 0 and _opt(cmd, "--split") == "100,0,0" and "--eval-iters" not in cmd
+    for task in ("SFT", "RM", "DPO"):  # these trainers have no validation set
+        code, cmd, _ = _run(TASKS[task][0], "--model", "m", "--data", "x.jsonl")
         assert code == 0 and "--eval-iters" not in cmd and "--split" not in cmd
 
 
 def test_cpu_option():
-    code, cmd, _ = _dry_run("llama", "--data", "corpus", "--cpu")
+    code, cmd, _ = _run("pretrain.sh", "--model", "m", "--data", "corpus", "--cpu")
     assert code == 0 and "--cpu" in cmd and "--use-distributed-optimizer" not in cmd
-    assert cmd[cmd.index("--precision") + 1] == "fp32" and cmd[cmd.index("--nproc_per_node") + 1] == "1"
-    code, cmd, _ = _dry_run("llama", "--data", "corpus")
-    assert "--cpu" not in cmd and "--use-distributed-optimizer" in cmd and cmd[cmd.index("--precision") + 1] == "bf16"
+    assert _opt(cmd, "--precision") == "fp32" and _opt(cmd, "--nproc_per_node") == "1"
+    code, cmd, _ = _run("pretrain.sh", "--model", "m", "--data", "corpus")
+    assert "--cpu" not in cmd and "--use-distributed-optimizer" in cmd and _opt(cmd, "--precision") == "bf16"
+
+
+# ---- recipes -----------------------------------------------------------------------------------------------
+
+def test_there_are_recipes_for_the_released_sizes():
+    ids = set(RECIPE_IDS)
+    for wanted in ("llama/Llama-2-7b-hf", "llama/Llama-3.1-8B", "llama/Llama-3.1-70B", "mixtral/Mixtral-8x7B-v0.1",
+                   "mixtral/Mixtral-8x22B-v0.1", "deepseek_v3/DeepSeek-V3-Base", "qwen2/Qwen2.5-72B",
+                   "qwen3_moe/Qwen3-235B-A22B", "falcon/falcon-40b", "bloom/bloom", "starcoder2/starcoder2-15b"):
+        assert wanted in ids
+    assert {r.split("/")[0] for r in ids} <= set(families())
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=RECIPE_IDS)
+def test_recipe_layout_is_valid_for_the_released_model(path):
+    """Each task's layout fits the released model (TP divides heads and kv groups, PP x VPP the layers, EP the
+    experts) and the recipe's GPU count (whole data-parallel replicas, a global batch they divide); pretraining
+    accumulates at least 8 micro-batches per step (what docs/benchmarks.md measured worthwhile); DPO runs at
+    PP 1 and nothing that starts from HF weights uses a virtual pipeline."""
+    recipe = read_recipe(path)
+    for key in ("HF_ID", "LAYERS", "HEADS", "KV_HEADS", "EXPERTS", "GPUS", "SFT_LR", "RM_LR", "DPO_LR"):
+        assert key in recipe, key
+    layers, heads, kv, experts, gpus = (int(recipe[k]) for k in ("LAYERS", "HEADS", "KV_HEADS", "EXPERTS", "GPUS"))
+    for task in TASKS:
+        v = task_values(recipe, task)
+        tp, pp, vpp, cp, ep, mbs, gbs = (int(v[k]) for k in ("TP", "PP", "VPP", "CP", "EP", "MBS", "GBS"))
+        etp = int(v["ETP"] or tp)
+        layout = Layout(tp=tp, pp=pp, ep=ep, etp=etp)
+        layout.check(layers, heads, kv)
+        assert layers % (pp * vpp) == 0, (task, "PP x VPP must divide the layers")
+        assert vpp == 1 or pp > 2, (task, "megatron's interleaved schedule needs PP > 2")
+        assert experts % ep == 0 and (ep == 1 or experts), (task, "EP must divide the experts")
+        assert gpus % (tp * pp * cp) == 0 and (gpus // pp) % (ep * etp) == 0, (task, "whole replicas")
+        dp = gpus // (tp * pp * cp)
+        assert gbs % (mbs * dp) == 0, (task, f"global batch {gbs} vs micro-batch {mbs} x DP {dp}")
+        gpu_args = v["GPU_ARGS"].split()
+        assert tp == 1 or "--sequence-parallel" in gpu_args, (task, "TP > 1 wants sequence parallelism")
+        assert "--overlap-grad-reduce" in gpu_args
+        if task == "PRETRAIN":
+            assert gbs // (mbs * dp) >= 8, "fewer than 8 micro-batches per optimizer step"
+        else:
+            assert vpp == 1, (task, "--load-hf does not take a virtual pipeline")
+        if task == "DPO":
+            assert pp == 1
+        float(v["LR"]), float(v["MIN_LR"])
+        assert v["PRECISION"] in ("bf16", "fp8", "fp16")
+
+
+def test_recipes_are_not_copies():
+    """No two recipes that differ only in the model's name (or their comments)."""
+    seen = {}
+    for path, rid in zip(RECIPES, RECIPE_IDS):
+        body = tuple(sorted((k, v) for k, v in read_recipe(path).items() if k != "HF_ID"))
+        assert body not in seen, f"{rid} repeats {seen[body]}"
+        seen[body] = rid
+
+
+OURS = ("--hf-config", "--load-hf", "--precision", "--throughput-profile", "--data-path", "--sft-data", "--pref-data")
+
+
+def megatron_accepts(cmd: list[str], recipe: dict[str, str], monkeypatch) -> None:
+    """Megatron-LM's own argument checks (`parse_args` + `validate_args`, at the recipe's world size, on Hopper)
+    accept the Megatron arguments of a launcher command, given a model of the recipe's shape; our entry point's
+    own options (the model folder, data, precision, profile) are left out."""
+    import contextlib
+    import io
+
+    import megatron.training.arguments as megatron_args
+
+    argv = cmd[cmd.index("-m", cmd.index("torch.distributed.run")) + 2:]
+    argv = [a for i, a in enumerate(argv) if a not in OURS and (i == 0 or argv[i - 1] not in OURS)]
+    layers, heads, kv, experts = (recipe[k] for k in ("LAYERS", "HEADS", "KV_HEADS", "EXPERTS"))
+    argv += ["--num-layers", layers, "--hidden-size", str(int(heads) * 128), "--num-attention-heads", heads,
+             "--max-position-embeddings", "131072", "--bf16", "--mock-data"]
+    argv += ["--group-query-attention", "--num-query-groups", kv] if kv != heads else []
+    argv += ["--num-experts", experts] if experts != "0" else []
+    # the CUDA-capability query validate_args makes; H100 / H200 (the recipes' GPUs) report 9
+    monkeypatch.setattr(megatron_args, "get_device_arch_version", lambda: 9)
+    monkeypatch.setattr("sys.argv", ["megatron", *argv])
+    for key, value in {"WORLD_SIZE": recipe["GPUS"], "RANK": "0", "LOCAL_RANK": "0",
+                       "CUDA_DEVICE_MAX_CONNECTIONS": "1"}.items():
+        monkeypatch.setenv(key, value)
+    with contextlib.redirect_stdout(io.StringIO()):
+        megatron_args.validate_args(megatron_args.parse_args(), {})
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=RECIPE_IDS)
+def test_recipe_gives_each_tasks_command(path, monkeypatch):
+    """The launcher (bash) reads the recipe as read_recipe does and puts each task's values on its command line,
+    which Megatron-LM's argument checks accept at the recipe's GPU count; the recipe's model folder is the
+    default --model."""
+    recipe, rid = read_recipe(path), os.path.relpath(path, EXAMPLES)[:-4]
+    gpus = int(recipe["GPUS"])
+    env = {"NPROC_PER_NODE": str(min(gpus, 8)), "NNODES": str(max(gpus // 8, 1))}
+    for task, (script, entry) in TASKS.items():
+        v = task_values(recipe, task)
+        code, cmd, err = _run(script, "--recipe", rid, "--data", "d", **env)
+        assert code == 0, (task, err)
+        assert _entry(cmd) == entry
+        assert _opt(cmd, "--tokenizer-model") == recipe["HF_ID"].split("/")[-1]
+        flags = {"--tensor-model-parallel-size": "TP", "--pipeline-model-parallel-size": "PP",
+                 "--context-parallel-size": "CP", "--expert-model-parallel-size": "EP", "--seq-length": "SEQ",
+                 "--micro-batch-size": "MBS", "--global-batch-size": "GBS", "--lr": "LR", "--min-lr": "MIN_LR",
+                 "--precision": "PRECISION", "--throughput-profile": "PROFILE"}
+        assert {flag: _opt(cmd, flag) for flag in flags} == {flag: v[key] for flag, key in flags.items()}, task
+        assert ("--num-virtual-stages-per-pipeline-rank" in cmd) == (v["VPP"] != "1")
+        if v["VPP"] != "1":
+            assert _opt(cmd, "--num-virtual-stages-per-pipeline-rank") == v["VPP"]
+        assert ("--expert-tensor-parallel-size" in cmd) == bool(v["ETP"])
+        tail = cmd[cmd.index("--use-distributed-optimizer") + 1:]
+        assert tail == v["GPU_ARGS"].split(), task
+        megatron_accepts(cmd, recipe, monkeypatch)
+
+
+def test_recipe_on_the_cpu():
+    """--cpu keeps a recipe's batch and learning rate, not its GPU settings or precision."""
+    code, cmd, err = _run("pretrain.sh", "--recipe", "mixtral/Mixtral-8x7B-v0.1", "--data", "d", "--cpu", "--pp", "1",
+                          "--vpp", "1")
+    assert code == 0, err
+    assert cmd[-1] == "--cpu" and _opt(cmd, "--precision") == "fp32" and "--overlap-grad-reduce" not in cmd
+    assert (_opt(cmd, "--global-batch-size"), _opt(cmd, "--lr"), _opt(cmd, "--expert-model-parallel-size")) == \
+        ("512", "3e-4", "8")
+
+
+def test_recipe_errors(tmp_path):
+    bad = tmp_path / "bad.env"
+    bad.write_text("TP=2\nTENSOR=4\n")
+    code, _, err = _run("pretrain.sh", "--recipe", str(bad), "--model", "m", "--data", "d")
+    assert code == 1 and f"error: {bad}:2: unknown key TENSOR" in err
+    bad.write_text("TP 2\n")
+    code, _, err = _run("pretrain.sh", "--recipe", str(bad), "--model", "m", "--data", "d")
+    assert code == 1 and "1: not a KEY=VALUE line" in err
+    code, _, err = _run("pretrain.sh", "--recipe", "llama/Llama-9B", "--data", "d")
+    assert code == 1 and "error: --recipe llama/Llama-9B: no such recipe" in err
+    own = tmp_path / "own.env"  # a recipe of one's own, anywhere; the fine-tuning LR must be said
+    own.write_text('# mine\nTP=2\nSFT_GBS=16  # per task\nGPU_ARGS="--sequence-parallel"\nMIN_LR=3e-5\n')
+    code, _, err = _run("sft.sh", "--recipe", str(own), "--model", "m", "--data", "d", NPROC_PER_NODE="2")
+    assert code == 1 and "sets no SFT_LR (its LR is for pretraining): pass --lr" in err
+    code, cmd, err = _run("sft.sh", "--recipe", str(own), "--model", "m", "--data", "d", "--lr", "2e-5",
+                          NPROC_PER_NODE="2")
+    assert code == 0, err
+    assert (_opt(cmd, "--tensor-model-parallel-size"), _opt(cmd, "--global-batch-size"), _opt(cmd, "--lr"),
+            _opt(cmd, "--min-lr")) == ("2", "16", "2e-5", "2e-06") and cmd[-1] == "--sequence-parallel"
+    code, cmd, err = _run("pretrain.sh", "--recipe", str(own), "--model", "m", "--data", "d", NPROC_PER_NODE="2")
+    assert code == 0 and (_opt(cmd, "--lr"), _opt(cmd, "--min-lr"), _opt(cmd, "--global-batch-size")) == \
+        ("3e-4", "3e-5", "32"), err
+
+
+# ---- READMEs -----------------------------------------------------------------------------------------------
+
+def _layout(v: dict[str, str]) -> str:
+    shown = [f"{k}{v[k]}" for k in ("TP", "PP", "VPP", "CP", "EP") if v[k] != "1"]
+    return " ".join(shown + ([f"ETP{v['ETP']}"] if v["ETP"] else [])) or "TP1"
+
+
+def recipe_table(family: str) -> str:
+    """The markdown table of a family's recipes (examples/<family>/README.md holds it)."""
+    rows = ["| recipe (`--recipe`) | GPUs | pretraining layout | seq | micro / global batch | LR | precision | "
+            "SFT · RM · DPO |", "|---|---|---|---|---|---|---|---|"]
+    for path, rid in zip(RECIPES, RECIPE_IDS):
+        if rid.split("/")[0] != family:
+            continue
+        recipe = read_recipe(path)
+        v = task_values(recipe, "PRETRAIN")
+        dp = int(recipe["GPUS"]) // (int(v["TP"]) * int(v["PP"]) * int(v["CP"]))
+        tuned = [task_values(recipe, t) for t in ("SFT", "RM", "DPO")]
+        tune = f"LR {' · '.join(t['LR'] for t in tuned)}; batch {' · '.join(t['GBS'] for t in tuned)}"
+        if {t["SEQ"] for t in tuned} != {v["SEQ"]}:
+            tune += f"; seq {' · '.join(t['SEQ'] for t in tuned)}"
+        if any(_layout(t) != _layout(v) for t in tuned):
+            tune += f"; {' · '.join(_layout(t) for t in tuned)}"
+        layout = _layout(v)
+        rows.append(f"| `{rid}` | {recipe['GPUS']} | {layout}, DP{dp} | {v['SEQ']} | {v['MBS']} / {v['GBS']} "
+                    f"| {v['LR']} | {v['PRECISION']} | {tune} |")
+    return "\n".join(rows)
+
+
+FAMILY_DIRS = sorted(d for d in os.listdir(EXAMPLES) if os.path.isdir(os.path.join(EXAMPLES, d)))
+
+
+@pytest.mark.parametrize("family", FAMILY_DIRS)
+def test_family_readme_tables_the_recipes(family):
+    assert family in families(), f"examples/{family}/ is not a registered family"
+    text = open(os.path.join(EXAMPLES, family, "README.md"), encoding="utf-8").read()
+    if any(rid.startswith(f"{family}/") for rid in RECIPE_IDS):
+        assert recipe_table(family) in text, f"examples/{family}/README.md: update the table to\n{recipe_table(family)}"
+
+
+def _readme_commands(path: str) -> list[str]:
+    text = open(path, encoding="utf-8").read()
+    return [line for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S)
+            for line in block.replace("\\\n", " ").splitlines() if line.strip() and not line.startswith("#")]
+
+
+@pytest.mark.parametrize("readme", ["README.md", *[f"{d}/README.md" for d in FAMILY_DIRS]])
+def test_examples_readme_commands_dry_run(readme):
+    """Every launcher command of examples/**/README.md runs as far as its torchrun line (--dry-run)."""
+    for command in _readme_commands(os.path.join(EXAMPLES, readme)):
+        words = shlex.split(command, comments=True)
+        env = dict(w.split("=", 1) for w in words if re.match(r"^[A-Z_]+=", w))
+        words = [w for w in words if not re.match(r"^[A-Z_]+=", w)]
+        script = os.path.relpath(os.path.join(ROOT, words[0]), EXAMPLES)
+        if script.endswith(("generate.sh", "evaluate.sh", "convert.sh")):
+            assert os.path.exists(os.path.join(EXAMPLES, script)), command
+            continue
+        code, cmd, err = _run(script, *words[1:], **{"NPROC_PER_NODE": "8", **env})
+        assert code == 0, (command, err)
+
+
+def test_lora_switch():
+    """--lora RANK: adapters of that rank on every linear layer (alpha 2 x RANK), the PEFT folder beside the
+    checkpoints, LoRA's learning rate unless --lr is given, no sequence parallelism (LoRA refuses it), and the
+    frozen base read from --from-hf, which it needs."""
+    code, cmd, err = _run("sft.sh", "--recipe", "llama/Llama-3.1-70B", "--from-hf", "--lora", "16", "--data", "x.jsonl",
+                          "--out", "/ck", NPROC_PER_NODE="32")
+    assert code == 0, err
+
+    def opt(name):
+        return cmd[cmd.index(name) + 1]
+
+    assert (opt("--lora-rank"), opt("--lora-alpha"), opt("--lora-target"), opt("--save-peft")) == \
+        ("16", "32", "all-linear", "/ck/peft")
+    assert opt("--lr") == "1e-4" and "--sequence-parallel" not in cmd
+    code, cmd, _ = _run("sft.sh", "--recipe", "llama/Llama-3.1-70B", "--from-hf", "--data", "x.jsonl",
+                        NPROC_PER_NODE="32")
+    assert code == 0 and "--sequence-parallel" in cmd and "--lora-rank" not in cmd  # the recipe as it is
+    code, cmd, _ = _run("sft.sh", "--recipe", "llama/Llama-3.1-8B", "--from-hf", "--lora", "8", "--lr", "3e-4",
+                        "--data", "x.jsonl")
+    assert code == 0 and cmd[cmd.index("--lr") + 1] == "3e-4"
+    for args, match in ((["--lora", "16"], "pass --from-hf"), (["--from-hf", "--lora", "0"], "positive integer")):
+        code, _, err = _run("sft.sh", "--recipe", "llama/Llama-3.1-8B", "--data", "x.jsonl", *args)
+        assert code == 1 and err.startswith("error: ") and match in err, err

@@ -1,4 +1,0 @@
-#!/usr/bin/env bash
-# DPO for a bloom model on preference JSONL; the reference is --model's weights (options: examples/launch.sh,
-# plus megatron_patch.rlhf.dpo's --beta / --sft-weight after them). PP must be 1.
-ENTRY=rlhf.dpo MODEL=${MODEL:-bloom-7b1} exec "$(dirname "$0")/../launch.sh" --from-hf "$@"

@@ -1,6 +1,0 @@
-#!/usr/bin/env bash
-# GRPO for a gpt_bigcode model: examples/gpt_bigcode/rlhf_grpo.sh HF_DIR --prompts p.jsonl --reward module:function [--tp N] ...
-# (options: python -m megatron_patch.rlhf.grpo --help; TP > 1: NPROC_PER_NODE=TP).
-set -euo pipefail
-MODEL=${1:?HF model folder}; shift
-exec torchrun --nproc_per_node "${NPROC_PER_NODE:-1}" -m megatron_patch.rlhf.grpo --hf-dir "$MODEL" "$@"

@@ -1,4 +1,0 @@
-#!/usr/bin/env bash
-# Train a gpt_bigcode reward model (scalar head, Bradley-Terry loss) on preference JSONL, starting from --model's
-# weights (options: examples/launch.sh; exported with --save-hf as an HF SequenceClassification model).
-ENTRY=rlhf.reward_model MODEL=${MODEL:-starcoderbase-7b} exec "$(dirname "$0")/../launch.sh" --from-hf "$@"

@@ -1,4 +1,0 @@
-#!/usr/bin/env bash
-# Pretrain a qwen2 model on megatron.training (options and environment: examples/launch.sh).
-# Default --model: Qwen2.5-7B (an HF folder with config.json and tokenizer; --from-hf starts from its weights).
-ENTRY=pretrain MODEL=${MODEL:-Qwen2.5-7B} exec "$(dirname "$0")/../launch.sh" "$@"

@@ -1,4 +1,0 @@
-#!/usr/bin/env bash
-# DPO for a qwen2 model on preference JSONL; the reference is --model's weights (options: examples/launch.sh,
-# plus megatron_patch.rlhf.dpo's --beta / --sft-weight after them). PP must be 1.
-ENTRY=rlhf.dpo MODEL=${MODEL:-Qwen2.5-7B} exec "$(dirname "$0")/../launch.sh" --from-hf "$@"
