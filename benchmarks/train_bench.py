@@ -1,16 +1,20 @@
 """Training throughput on the GPU machine: our pretrain path (`python -m megatron_patch.pretrain`,
-Transformer Engine) next to HF `transformers` on the same LLaMA shape, in the same run, as real training
-runs: every side takes a global batch of `--micro-batches` micro-batches per optimizer step (HF accumulates
-gradients over them too). Prints a table (docs/benchmarks.md) and one JSON line.
+Transformer Engine) next to HF `transformers` and torchtitan on the same LLaMA shape, in the same run, as real
+training runs: every side takes a global batch of `--micro-batches` micro-batches per optimizer step (HF and
+torchtitan accumulate gradients over them too). Prints a table (docs/benchmarks.md) and one JSON line.
 
     python benchmarks/train_bench.py [--shapes 1b 8b] [--micro-batches 8] [--iters 12] [--runs bf16 fp8 ...]
-        [--hf hf hf-liger hf-compile] [--losses 20]
+        [--hf hf hf-liger hf-compile] [--torchtitan torchtitan torchtitan-eager torchtitan-sac] [--losses 20]
     python benchmarks/train_bench.py --shapes 8b-full --gpus 2 --runs "fp8 tp2" "fp8 pp2" "fp8 dp2"   # 2 GPUs
 
 Runs (`--runs`, names from RUNS): our path with a throughput profile (`none` = Megatron's defaults,
 `default`, `benchmark`) plus at most one more setting, so each row shows what one setting costs or buys
 (an ablation, all in one run). HF rows (`--hf`): sdpa attention and fused AdamW, optionally with Liger's
 Triton kernels (`hf-liger`, when `liger_kernel` is installed) or `torch.compile` (`hf-compile`).
+torchtitan rows (`--torchtitan`, `benchmarks/titan_peer.py`): torchtitan 0.2.x's own Llama-3 Trainer in its
+own process (bf16 autocast, fused AdamW, per-block `torch.compile`; `-eager` without compile, `-sac` with its
+per-op selective activation checkpointing); a row says "torchtitan not installed / incompatible: ..." when
+it cannot run.
 
 Measured: the median step time over the second half of the iterations (the first half is warm-up),
 tokens/s (the headline), TFLOP/s by Megatron's formula (`megatron.training.training.
@@ -25,9 +29,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.metadata
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -81,21 +87,26 @@ RUNS: dict[str, tuple[str, str, list[str], dict[str, str]]] = {
 HF_RUNS = ("hf", "hf-liger", "hf-compile")
 
 
-def config(shape: str) -> dict:
-    s = SHAPES[shape]
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": VOCAB,
+def config(shape: str | dict) -> dict:
+    """The HF config.json of a shape (a SHAPES name or a dict like its entries; one with `num_local_experts`
+    is a Mixtral, `vocab` overrides VOCAB)."""
+    s = SHAPES[shape] if isinstance(shape, str) else shape
+    experts = {k: s[k] for k in ("num_local_experts", "num_experts_per_tok") if k in s}
+    arch = ("MixtralForCausalLM", "mixtral") if experts else ("LlamaForCausalLM", "llama")
+    return {"architectures": [arch[0]], "model_type": arch[1], "vocab_size": s.get("vocab", VOCAB),
             "hidden_size": s["hidden_size"], "intermediate_size": s["intermediate_size"],
             "num_hidden_layers": s["num_hidden_layers"], "num_attention_heads": s["num_attention_heads"],
             "num_key_value_heads": s["num_key_value_heads"], "max_position_embeddings": s["seq"],
-            "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False, "hidden_act": "silu"}
+            "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False, "hidden_act": "silu",
+            **experts}
 
 
-def flops_per_sample(shape: str) -> float:
-    """Megatron's count for one sample of `seq` tokens (forward + backward)."""
+def flops_per_sample(shape: str | dict) -> float:
+    """Megatron's count for one sample of `seq` tokens (forward + backward); `shape` as in `config`."""
     from megatron.training.arguments import parse_args
     from megatron.training.training import num_floating_point_operations
 
-    s = SHAPES[shape]
+    s = SHAPES[shape] if isinstance(shape, str) else shape
     h, heads, groups = s["hidden_size"], s["num_attention_heads"], s["num_key_value_heads"]
     argv, sys.argv = sys.argv, [sys.argv[0]]
     try:
@@ -104,7 +115,11 @@ def flops_per_sample(shape: str) -> float:
         sys.argv = argv
     args.__dict__.update(num_layers=s["num_hidden_layers"], hidden_size=h, ffn_hidden_size=s["intermediate_size"],
                          num_attention_heads=heads, num_query_groups=groups, group_query_attention=True,
-                         kv_channels=h // heads, seq_length=s["seq"], padded_vocab_size=VOCAB, swiglu=True)
+                         kv_channels=h // heads, seq_length=s["seq"], padded_vocab_size=s.get("vocab", VOCAB),
+                         swiglu=True)
+    if "num_local_experts" in s:  # every layer a mixture of experts, each token routed to top-k of them
+        args.__dict__.update(num_experts=s["num_local_experts"], moe_router_topk=s["num_experts_per_tok"],
+                             moe_ffn_hidden_size=s["intermediate_size"], moe_layer_freq=1)
     return float(num_floating_point_operations(args, 1))
 
 
@@ -122,19 +137,30 @@ def our_command(shape: str, run: str, iters: int, micro_batches: int, gpus: int,
     # each model replica takes `micro_batches` micro-batches of the shape's size per optimizer step (a run
     # with twice the micro-batch size takes half as many: the same samples)
     global_batch = micro_batches * s["mbs"] * (gpus // model_parallel)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(gpus), "-m",
-           "megatron_patch.pretrain", "--hf-config", config_path, "--mock-data", "--tokenizer-type", "NullTokenizer",
-           "--vocab-size", str(VOCAB), "--seq-length", str(s["seq"]), "--micro-batch-size", str(mbs),
+    return pretrain_command(gpus, ["--hf-config", config_path], s["seq"], mbs, global_batch, iters, precision, profile,
+                            extra, env, trace_dir=trace_dir)
+
+
+def pretrain_command(gpus: int, model: list[str], seq: int, mbs: int, global_batch: int, iters: int, precision: str,
+                     profile: str, extra: list[str], env: dict[str, str] | None = None, vocab: int = VOCAB,
+                     cpu: bool = False, trace_dir: str | None = None) -> tuple[list[str], dict[str, str]]:
+    """`python -m megatron_patch.pretrain` under torchrun on mock data (no checkpoint, a log line per
+    iteration); `model` is `--hf-config PATH` or `--load-hf DIR`. On GPUs: Transformer Engine and the
+    distributed optimizer; `cpu`: `--cpu` (gloo, the local implementation), on a free rendezvous port."""
+    device = ["--cpu"] if cpu else ["--transformer-impl", "transformer_engine", "--use-distributed-optimizer",
+                                    "--attention-backend", "auto"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", *(["--standalone"] if cpu else []), "--nproc_per_node",
+           str(gpus), "-m", "megatron_patch.pretrain", *model, "--mock-data", "--tokenizer-type", "NullTokenizer",
+           "--vocab-size", str(vocab), "--seq-length", str(seq), "--micro-batch-size", str(mbs),
            "--global-batch-size", str(global_batch), "--train-iters", str(iters), "--lr", "1e-4",
            "--min-lr", "1e-5", "--lr-warmup-iters", "2", "--seed", "1234", "--precision", precision,
-           "--throughput-profile", profile, "--transformer-impl", "transformer_engine", "--log-interval", "1",
-           "--log-throughput", "--eval-iters", "0", "--use-distributed-optimizer", "--attention-backend", "auto",
-           "--make-vocab-size-divisible-by", "128", *extra]
+           "--throughput-profile", profile, "--log-interval", "1", "--log-throughput", "--eval-iters", "0",
+           *device, "--make-vocab-size-divisible-by", "128", *extra]
     if trace_dir:
         cmd += ["--profile", "--use-pytorch-profiler", "--profile-step-start", "6", "--profile-step-end", "8",
                 "--tensorboard-dir", trace_dir]
     return cmd, {**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1",
-                 "PYTHONPATH": ROOT + ":" + os.environ.get("PYTHONPATH", ""), **env}
+                 "PYTHONPATH": ROOT + ":" + os.environ.get("PYTHONPATH", ""), **(env or {})}
 
 
 def ours(shape: str, run: str, iters: int, micro_batches: int, gpus: int, tmp: str,
@@ -142,7 +168,12 @@ def ours(shape: str, run: str, iters: int, micro_batches: int, gpus: int, tmp: s
     path = os.path.join(tmp, f"{shape}.json")
     with open(path, "w") as f:
         json.dump(config(shape), f)
-    cmd, env = our_command(shape, run, iters, micro_batches, gpus, path, trace_dir)
+    return run_pretrain(*our_command(shape, run, iters, micro_batches, gpus, path, trace_dir))
+
+
+def run_pretrain(cmd: list[str], env: dict[str, str]) -> dict:
+    """Run one pretrain command; from its log: the median step time of the second half of the iterations,
+    peak memory, the global batch and every iteration's loss (or the error)."""
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     text = p.stdout + p.stderr
     ms = [float(x) for x in re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+)", text)]
@@ -211,12 +242,29 @@ def versions() -> dict:
             out[name] = getattr(module, "__version__", "?")
         except ImportError:
             pass
+    try:  # its metadata: importing it here could fail on an incompatible torch (its row says why)
+        out["torchtitan"] = importlib.metadata.version("torchtitan")
+    except importlib.metadata.PackageNotFoundError:
+        pass
     if torch.cuda.is_available():
         out["gpu"] = f"{torch.cuda.get_device_name()} x{torch.cuda.device_count()}"
     return out
 
 
+def table_row(shape: str, name: str, r: dict, flops: float, gpus: int, hf_rate: float | None) -> dict:
+    """One row of the table from a side's result (`s_per_iter` for `samples` samples of the shape's `seq`
+    tokens, `peak_gb`): tokens/s over all GPUs, TFLOP/s per GPU by Megatron's count (`flops` per sample, the
+    same for every side), and the per-GPU rate relative to HF's."""
+    rate = r["samples"] * SHAPES[shape]["seq"] / r["s_per_iter"]  # tokens/s
+    return {"shape": shape, "run": name, "gpus": gpus, "tokens_per_s": round(rate),
+            "tflops_per_gpu": round(flops * r["samples"] / r["s_per_iter"] / 1e12 / gpus, 1),
+            "vs_hf": round(rate / gpus / hf_rate, 3) if hf_rate else None,  # per GPU
+            "peak_gb": round(r["peak_gb"], 1) if r.get("peak_gb") else None}
+
+
 def main() -> None:
+    import titan_peer  # beside this script: the torchtitan rows
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="+", default=["1b", "8b"], choices=sorted(SHAPES))
     ap.add_argument("--iters", type=int, default=12, help="optimizer steps per run (the first half is warm-up)")
@@ -224,6 +272,8 @@ def main() -> None:
     ap.add_argument("--gpus", type=int, default=1, help="processes of our runs (layout runs need 2)")
     ap.add_argument("--runs", nargs="+", default=["bf16", "fp8"], choices=sorted(RUNS))
     ap.add_argument("--hf", nargs="*", default=["hf"], choices=HF_RUNS, help="HF rows (none: skip HF)")
+    ap.add_argument("--torchtitan", nargs="*", default=["torchtitan"], choices=sorted(titan_peer.TITAN_RUNS),
+                    help="torchtitan rows (none: skip torchtitan)")
     ap.add_argument("--losses", type=int, default=0,
                     help="also compare the first N iterations' losses with the same precision's 'none' run")
     ap.add_argument("--trace", choices=sorted(RUNS), help="record and summarise a profiler trace of this run")
@@ -236,12 +286,17 @@ def main() -> None:
                 for run in a.runs:
                     print(" ".join(our_command(shape, run, a.iters, a.micro_batches, a.gpus,
                                                os.path.join(tmp, f"{shape}.json"))[0]))
+                for name in a.torchtitan:
+                    print(shlex.join(titan_peer.command(SHAPES[shape], VOCAB, name, a.iters, a.micro_batches)))
             return
         meta = versions()
         print(json.dumps(meta), flush=True)
         for shape in a.shapes:
             flops = flops_per_sample(shape)
             results = {name: hf(shape, name, a.iters, a.micro_batches) for name in a.hf}
+            for name in a.torchtitan:
+                results[name] = titan_peer.run(SHAPES[shape], VOCAB, name, a.iters, a.micro_batches)
+                print(shape, name, results[name], flush=True)
             runs = list(a.runs)
             if a.losses:  # the references of the loss comparison
                 runs += [f"{p} none" for p in sorted({RUNS[r][0] for r in a.runs}) if f"{p} none" not in runs]
@@ -259,19 +314,18 @@ def main() -> None:
                 if "error" in r:
                     rows.append({"shape": shape, "run": name, "error": r["error"][-300:]})
                     continue
-                gpus = a.gpus if name.startswith("ours") else 1
-                rate = r["samples"] * SHAPES[shape]["seq"] / r["s_per_iter"]  # tokens/s
-                hf_rate = rate if name == "hf" else hf_rate
-                row = {"shape": shape, "run": name, "gpus": gpus, "tokens_per_s": round(rate),
-                       "tflops_per_gpu": round(flops * r["samples"] / r["s_per_iter"] / 1e12 / gpus, 1),
-                       "vs_hf": round(rate / gpus / hf_rate, 3) if hf_rate else None,  # per GPU
-                       "peak_gb": round(r["peak_gb"], 1) if r.get("peak_gb") else None}
+                row = table_row(shape, name, r, flops, a.gpus if name.startswith("ours") else 1, hf_rate)
+                if name == "hf":  # the reference of the rows after it
+                    hf_rate, row["vs_hf"] = row["tokens_per_s"], 1.0
+                if "titan_log" in r:  # torchtitan's own last log line (its tokens/s and MFU), for reference
+                    row["torchtitan_log"] = r["titan_log"]
                 if a.losses and name.startswith("ours "):
                     ref = results.get(f"ours {RUNS[name[5:]][0]} none", {}).get("losses", [])
                     row["max_loss_diff_vs_none"] = loss_difference(r.get("losses", []), ref, a.losses)
                 rows.append(row)
     print(f"{meta['date']}, {meta.get('gpu')}, torch {meta['torch']}, megatron-core {meta.get('megatron.core')}, "
-          f"TE {meta.get('transformer_engine')}, transformers {meta.get('transformers')}; "
+          f"TE {meta.get('transformer_engine')}, transformers {meta.get('transformers')}, "
+          f"torchtitan {meta.get('torchtitan')}; "
           f"{a.micro_batches} micro-batches per step")
     print("| shape | run | tokens/s | TFLOP/s per GPU | × HF | peak GB | max Δloss vs none |")
     print("|---|---|---|---|---|---|---|")

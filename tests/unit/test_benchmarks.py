@@ -1,12 +1,17 @@
 """The benchmark scripts' CPU-checkable parts: the training benchmark's commands (every side takes the
-same samples per optimizer step; each run's profile and flags reach the pretrain command) and the trace
+same samples per optimizer step; each run's profile and flags reach the pretrain command), its table's
+arithmetic (Megatron's FLOP count for every side), the torchtitan row (the same model and batches; a row
+saying why when torchtitan is missing or incompatible; torchtitan itself is not installed here) and the trace
 summary's arithmetic."""
 
+import importlib.util
 import json
 import os
 import shlex
 import subprocess
 import sys
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
@@ -24,8 +29,8 @@ def _opt(cmd: list[str], flag: str) -> str:
 
 
 def test_training_benchmark_commands():
-    (none, default, mbs2, graphs) = _dry_run("--shapes", "8b", "--runs", "bf16 none", "bf16", "bf16 mbs2",
-                                             "fp8 +graph-full")
+    (none, default, mbs2, graphs) = _dry_run("--torchtitan", "--shapes", "8b", "--runs", "bf16 none", "bf16",
+                                             "bf16 mbs2", "fp8 +graph-full")
     for cmd in (none, default, mbs2, graphs):
         # 8 micro-batches of 8192 tokens per optimizer step, whatever the micro-batch size
         assert int(_opt(cmd, "--global-batch-size")) == 8 and _opt(cmd, "--seq-length") == "8192"
@@ -33,7 +38,7 @@ def test_training_benchmark_commands():
     assert (_opt(default, "--micro-batch-size"), _opt(mbs2, "--micro-batch-size")) == ("1", "2")
     assert _opt(graphs, "--precision") == "fp8" and _opt(graphs, "--cuda-graph-impl") == "full_iteration"
     assert _opt(graphs, "--throughput-profile") == "benchmark"  # megatron wants the NaN check off with it
-    dp2, tp2 = _dry_run("--shapes", "8b-full", "--gpus", "2", "--runs", "fp8 dp2", "fp8 tp2")
+    dp2, tp2 = _dry_run("--torchtitan", "--shapes", "8b-full", "--gpus", "2", "--runs", "fp8 dp2", "fp8 tp2")
     assert _opt(dp2, "--nproc_per_node") == "2" and _opt(dp2, "--global-batch-size") == "16"  # 8 per replica
     assert _opt(tp2, "--global-batch-size") == "8" and "--sequence-parallel" in tp2
 
@@ -53,3 +58,118 @@ def test_trace_summary_groups_kernels_and_finds_idle_time(tmp_path):
     assert out["window_ms"] == 0.5 and out["idle_ms"] == 0.15 and out["idle_share"] == 0.3
     assert {k: v["ms"] for k, v in out["categories"].items()} == {
         "gemm": 0.15, "communication": 0.1, "optimizer": 0.1, "attention": 0.05}
+
+
+# parameters of torchtitan 0.2.2's Llama-3 `Transformer` built from `titan_peer.model_args` (meta device, torch
+# 2.11), counted once in a venv with torchtitan: the HF model of each shape has the same count
+TITAN_PARAMS = {"1b": 1_498_482_688, "8b": 2_795_573_248, "8b-full": 8_030_261_248}
+
+
+def _flags(flags: list[str]) -> dict[str, str | bool]:
+    out, i = {}, 0
+    while i < len(flags):
+        valued = i + 1 < len(flags) and not flags[i + 1].startswith("--")
+        out[flags[i]] = flags[i + 1] if valued else True
+        i += 2 if valued else 1
+    return out
+
+
+def test_torchtitan_rows_take_the_same_model_and_batches():
+    """torchtitan's model is the shape's (its FFN rule gives the HF widths; the parameter count of its model
+    equals HF's), and every torchtitan run takes the shape's micro-batch and sequence, 8 micro-batches per
+    optimizer step, bf16 autocast and fused AdamW, with compile and activation checkpointing as named."""
+    import titan_peer
+    import torch
+    import train_bench as tb
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    # torchtitan's FFN rule on its own Llama-3 flavors: 8B (1.3, 1024) and 3.2-1B (1.5, 256); debugmodel
+    assert (titan_peer.ffn_hidden(4096, 1024, 1.3), titan_peer.ffn_hidden(2048, 256, 1.5)) == (14336, 8192)
+    assert titan_peer.ffn_hidden(256, 256, None) == 768
+    for shape, s in tb.SHAPES.items():
+        a = titan_peer.model_args(s, tb.VOCAB)
+        ffn = titan_peer.ffn_hidden(a["dim"], a["multiple_of"], a["ffn_dim_multiplier"])
+        kv = a["n_kv_heads"] * a["dim"] // a["n_heads"]
+        count = 2 * tb.VOCAB * a["dim"] + a["dim"] + a["n_layers"] * (2 * a["dim"] ** 2 + 2 * a["dim"] * kv
+                                                                      + 3 * a["dim"] * ffn + 2 * a["dim"])
+        with torch.device("meta"):
+            hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**tb.config(shape)))
+        assert count == sum(p.numel() for p in hf.parameters()) == TITAN_PARAMS[shape], shape
+        assert (a["max_seq_len"], a["rope_theta"], a["norm_eps"]) == (s["seq"], 500000.0, 1e-5)
+        for run, (compiled, ac) in titan_peer.TITAN_RUNS.items():
+            f = _flags(titan_peer.titan_flags(s, run, 12, 8, "/tmp/x"))
+            assert int(f["--training.global_batch_size"]) == 8 * int(f["--training.local_batch_size"]) == 8 * s["mbs"]
+            assert int(f["--training.seq_len"]) == s["seq"] and f["--training.steps"] == "12"
+            assert (f["--optimizer.implementation"], f["--training.mixed_precision_param"]) == ("fused", "bfloat16")
+            assert f["--activation_checkpoint.mode"] == ac and f["--lr_scheduler.warmup_steps"] == "2"
+            assert f.get("--compile.enable", False) == compiled and f.get("--compile.no-enable", False) != compiled
+    assert titan_peer.TITAN_RUNS["torchtitan"] == (True, "none")  # the main row: compiled, no recomputation
+
+
+def test_torchtitan_dry_run_prints_its_worker_command():
+    import train_bench as tb
+
+    ours, titan = _dry_run("--shapes", "8b", "--runs", "bf16", "--torchtitan", "torchtitan-sac")
+    assert "megatron_patch.pretrain" in ours
+    assert _opt(titan, "--nproc_per_node") == "1" and titan[titan.index("--shape") - 1].endswith("titan_peer.py")
+    assert [_opt(titan, f) for f in ("--row", "--iters", "--micro-batches")] == ["torchtitan-sac", "12", "8"]
+    assert json.loads(_opt(titan, "--shape")) == {**tb.SHAPES["8b"], "vocab": tb.VOCAB}
+
+
+def test_table_row_counts_megatron_flops_for_every_side():
+    """Megatron's count is the textbook one (every matmul, causal attention halved, the output layer) x 3 for
+    forward + backward; a row's TFLOP/s is that count over the measured step, whichever side measured it."""
+    import train_bench as tb
+
+    for shape, s in tb.SHAPES.items():
+        h, L, q, F = s["hidden_size"], s["num_hidden_layers"], s["seq"], s["intermediate_size"]
+        kv = s["num_key_value_heads"] * h // s["num_attention_heads"]
+        matmuls = 2 * q * (L * (2 * h * h + 2 * h * kv + 3 * h * F) + h * tb.VOCAB)
+        assert tb.flops_per_sample(shape) == 3 * (matmuls + L * 2 * q * q * h), shape
+    flops = tb.flops_per_sample("8b")
+    row = tb.table_row("8b", "torchtitan", {"s_per_iter": 2.0, "samples": 8, "peak_gb": 61.04}, flops, 1, 30000.0)
+    assert row == {"shape": "8b", "run": "torchtitan", "gpus": 1, "tokens_per_s": 32768, "peak_gb": 61.0,
+                   "tflops_per_gpu": round(flops * 8 / 2.0 / 1e12, 1), "vs_hf": round(32768 / 30000, 3)}
+    two = tb.table_row("8b-full", "ours fp8 dp2", {"s_per_iter": 2.0, "samples": 16, "peak_gb": None},
+                       tb.flops_per_sample("8b-full"), 2, 30000.0)
+    assert two["tokens_per_s"] == 65536 and two["vs_hf"] == round(32768 / 30000, 3) and two["peak_gb"] is None
+
+
+def _fake_torchtitan(root, init: str, modules: dict[str, str] | None = None) -> None:
+    for name, text in {"__init__": init, **(modules or {})}.items():
+        path = root / "torchtitan" / (name.replace(".", "/") + ".py")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+@pytest.fixture
+def no_torchtitan_modules():
+    yield
+    for name in [m for m in sys.modules if m == "torchtitan" or m.startswith("torchtitan.")]:
+        del sys.modules[name]
+
+
+def test_torchtitan_row_fails_softly(tmp_path, monkeypatch, no_torchtitan_modules):
+    """Not installed: the row says so (no process started). Installed but not importable against this torch
+    (torchtitan 0.3.0 on torch 2.11): its worker process reports the import error as the row. Another release
+    line than the one driven here: the row names the version."""
+    import titan_peer
+    import train_bench as tb
+
+    s = tb.SHAPES["8b"]
+    assert importlib.util.find_spec("torchtitan") is None  # this venv, as a GPU machine before staging
+    assert titan_peer.run(s, tb.VOCAB, "torchtitan", 2, 8) == {
+        "error": "torchtitan not installed / incompatible: no module named torchtitan"}
+    broken = "raise ImportError(\"cannot import name 'DataParallelMeshDims' from 'torch.distributed.fsdp'\")\n"
+    _fake_torchtitan(tmp_path / "broken", broken)
+    monkeypatch.syspath_prepend(str(tmp_path / "broken"))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / "broken"), os.environ.get("PYTHONPATH", "")]))
+    assert titan_peer.run(s, tb.VOCAB, "torchtitan", 2, 8) == {
+        "error": "torchtitan not installed / incompatible: ImportError: cannot import name 'DataParallelMeshDims' "
+                 "from 'torch.distributed.fsdp'"}
+    _fake_torchtitan(tmp_path / "newer", "__version__ = '0.3.0'\n", {
+        "models/__init__": "", "models/llama3/__init__": "TransformerModelArgs = get_train_spec = None\n",
+        "train": "Trainer = None\n"})
+    monkeypatch.syspath_prepend(str(tmp_path / "newer"))
+    assert titan_peer.unavailable() == ("torchtitan not installed / incompatible: torchtitan 0.3.0; this benchmark "
+                                        "drives the 0.2.x Trainer (0.2.2 on torch 2.11)")
