@@ -13,7 +13,7 @@ setup(
     packages=find_packages(include=["megatron_patch", "megatron_patch.*", "toolkits", "toolkits.*"]),
     package_data={"megatron_patch": ["assets/*.json", "assets/tiny_tokenizer/*.json", "assets/corpus/*"]},
     install_requires=[
-        "megatron-core==0.19.2",
+        "megatron-core>=0.18.2,<0.20",  # the tested range: docs/upgrading.md
         "torch>=2.6",
         "transformers>=4.51",
         "safetensors>=0.4",
@@ -27,6 +27,6 @@ setup(
     extras_require={
         "te": ["transformer-engine[pytorch]>=2.0"],
         "lm_eval": ["lm-eval[hf]>=0.4.13,<0.5"],
-        "test": ["pytest>=8.0", "ruff>=0.8", "lm-eval[hf]>=0.4.13,<0.5", "matplotlib>=3.8"],
+        "test": ["pytest>=8.0", "ruff>=0.8", "lm-eval[hf]>=0.4.13,<0.5", "peft>=0.13", "matplotlib>=3.8"],
     },
 )

@@ -1,8 +1,11 @@
-"""The one registry of runtime patches (the last resort of the non-invasive rule).
+"""The one registry of runtime patches (the last resort of the non-invasive rule). Longer than most
+modules on purpose: every patch lives here, so the whole of what we change in megatron-core at run time
+can be read in one file.
 
-Each patch is named, states the megatron-core versions it targets and why it exists, is safe to
-apply twice, can be undone, and has a test (tests/unit/test_patches.py). Library code asks for a
-patch by name; nothing is patched at import time.
+Each patch is named, states the megatron-core versions it targets (inside the supported range,
+`megatron_patch.compat.SUPPORTED`) and why it exists, is safe to apply twice, can be undone, and has a test
+(tests/unit/test_patches.py, run under the oldest and the newest supported megatron-core by .ci/run). Outside
+its range `apply` does nothing. Library code asks for a patch by name; nothing is patched at import time.
 """
 
 from __future__ import annotations
@@ -17,8 +20,9 @@ from dataclasses import dataclass
 
 import torch
 from packaging.specifiers import SpecifierSet
-from packaging.version import Version
 from torch.overrides import TorchFunctionMode
+
+from megatron_patch import compat
 
 
 @dataclass
@@ -41,18 +45,12 @@ def register(name: str, versions: str) -> Callable:
     return deco
 
 
-def megatron_core_version() -> Version:
-    from megatron.core.package_info import __version__
-
-    return Version(__version__)
-
-
 def apply(name: str) -> bool:
     """Apply patch `name` if megatron-core's version is in its range; True if it is active."""
     if name in _ACTIVE:
         return True
     p = _REGISTRY[name]
-    if megatron_core_version() not in p.versions:
+    if compat.megatron_core_version() not in p.versions:
         return False
     undo = p.apply()
     if undo is None:
@@ -174,7 +172,7 @@ def _sliding_window_mask_on_cpu(sq: int, skv: int, window_size: tuple[int, int])
     return ~keep
 
 
-@register("cpu_cuda_calls", ">=0.17,<0.20")
+@register("cpu_cuda_calls", ">=0.18.2,<0.20")
 def _cpu_cuda_calls() -> Callable[[], None] | None:
     """Let megatron-core run forward passes and write/read torch_dist checkpoints without a GPU.
 
@@ -234,7 +232,7 @@ def _cpu_cuda_calls() -> Callable[[], None] | None:
     return undo
 
 
-@register("prebuilt_dataset_helpers", ">=0.17,<0.20")
+@register("prebuilt_dataset_helpers", ">=0.18.2,<0.20")
 def _prebuilt_dataset_helpers() -> Callable[[], None] | None:
     """Skip the runtime build of megatron-core's C++ dataset helpers, which the wheel already ships.
 
@@ -281,7 +279,7 @@ class _StandInCudaRng:
 _CUDA_RNG = _StandInCudaRng()
 
 
-@register("cpu_parallel_state", ">=0.17,<0.20")
+@register("cpu_parallel_state", ">=0.18.2,<0.20")
 def _cpu_parallel_state() -> Callable[[], None] | None:
     """Let megatron-core set up model parallelism, wrap models in its DDP and keep its RNG tracker on a
     machine without a GPU (gloo worlds; the CPU test harness and `--cpu` training):
@@ -323,7 +321,7 @@ def _cpu_device_properties(device=None) -> types.SimpleNamespace:
     return types.SimpleNamespace(major=9, minor=0, name="cpu", total_memory=0, multi_processor_count=1)
 
 
-@register("cpu_training", ">=0.17,<0.20")
+@register("cpu_training", ">=0.18.2,<0.20")
 def _cpu_training() -> Callable[[], None] | None:
     """Run megatron.training's loop (`pretrain`) on a machine without a GPU: `--cpu` of our training entry
     points, for tiny models (debugging a recipe on a laptop; the CPU tests). On top of `cpu_cuda_calls`
@@ -402,7 +400,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tens
 
 def _paged_attention_in_torch(self, q, k, v, max_seqlen_q, max_seqlen_k, cu_seqlens_q, cu_seqlens_k, seqlens_k,
                               block_table, is_decode_only, softmax_offset=None):
-    """`Attention.flash_decode_and_prefill` of megatron-core 0.19 (same arguments and result) in torch:
+    """`Attention.flash_decode_and_prefill` of megatron-core 0.18.2 / 0.19 (same arguments and result; 0.18.2
+    passes no `softmax_offset`) in torch:
     queries q [tokens, 1, heads, dim] of the active requests, laid out request after request
     (`cu_seqlens_q`), over the paged KV cache k / v [blocks, block_size, kv heads, dim] through
     `block_table` [requests, blocks per request]; `seqlens_k` [requests]: each request's cached length,
@@ -438,7 +437,7 @@ def _paged_attention_in_torch(self, q, k, v, max_seqlen_q, max_seqlen_k, cu_seql
     return out.unsqueeze(1)
 
 
-@register("paged_attention_in_torch", ">=0.19,<0.20")
+@register("paged_attention_in_torch", ">=0.18.2,<0.20")
 def _paged_attention_in_torch_patch() -> Callable[[], None] | None:
     """Run megatron-core's dynamic inference engine without flash-attn (every CPU machine; a GPU where
     the flash-attn package is not installed).
@@ -448,7 +447,8 @@ def _paged_attention_in_torch_patch() -> Callable[[], None] | None:
     in `Attention.flash_decode_and_prefill` (`flash_attn_varlen_func` for prefill,
     `flash_attn_with_kvcache` for decode, both GPU-only). Here `flash_decode_and_prefill` is a torch
     implementation of the same function (`_paged_attention_in_torch`: same arguments and output, exact
-    fp32 softmax(q k^T * scale) v, grouped queries, sliding windows, sink logits) and the version check
+    fp32 softmax(q k^T * scale) v, grouped queries, sliding windows, sink logits; 0.18.2's own kernels
+    ignore a sliding window, this one applies it as 0.19 does) and the version check
     (`is_fa_min_version` as attention.py names it) passes. Multi-latent attention with cached latents
     (FlashMLA) is not covered. On a GPU it is a correctness fallback, not a fast path: install
     flash-attn there for speed. Does nothing when a flash-attn kernel is importable."""

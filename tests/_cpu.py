@@ -1,4 +1,5 @@
-"""Test-only harness: run megatron-core 0.19.2 on a machine without a GPU, in gloo worlds.
+"""Test-only harness: run megatron-core (each supported version: megatron_patch.compat) on a machine without a
+GPU, in gloo worlds.
 
 Nothing here is library code. `install()` applies the library's patches that redirect the CUDA calls
 megatron-core makes unconditionally (`megatron_patch/patches.py`, one place for each redirect);

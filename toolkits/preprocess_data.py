@@ -20,7 +20,9 @@ import gzip
 import json
 import multiprocessing
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -61,6 +63,19 @@ def _init_worker(tokenizer_path: str, json_key: str) -> None:
     from megatron_patch.tokenizer import build_tokenizer
 
     _use_in_this_process(build_tokenizer(tokenizer_path), json_key)
+
+
+def _fork_pool(workers: int, tokenizer_path: str, json_key: str):
+    """The workers are forked with SIGTERM's default action, not the tool's handler (megatron_patch.cli.run):
+    Python drops a signal that reaches a child before its after-fork setup, so `Pool.terminate()` right after
+    the start (an input with no tokens) could leave a worker alive and `terminate` waiting on it forever."""
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL) if main_thread else None
+    try:
+        return multiprocessing.get_context("fork").Pool(workers, _init_worker, (tokenizer_path, json_key))
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _tokenize_line(item: tuple[str, int, str]) -> numpy.ndarray:
@@ -125,7 +140,7 @@ def preprocess(inputs: list[str], output_prefix: str, tokenizer_path: str, json_
         builder = IndexedDatasetBuilder(tmp["bin"], dtype=dtype)
         lines = _read_lines(inputs)
         if workers > 1:  # fork: the workers inherit the imported modules instead of importing megatron again
-            pool = multiprocessing.get_context("fork").Pool(workers, _init_worker, (tokenizer_path, json_key))
+            pool = _fork_pool(workers, tokenizer_path, json_key)
             results = pool.imap(_tokenize_line, lines, chunksize=_CHUNK)  # imap keeps the input order
         else:
             results = map(_tokenize_line, lines)

@@ -60,8 +60,10 @@ def _safe_globals() -> list:
 
 def load_legacy_file(path: str) -> dict:
     try:
-        with torch.serialization.safe_globals(_safe_globals()):
-            return torch.load(path, map_location="cpu", weights_only=True)
+        # added for good, as megatron-core's import does: a `safe_globals` block removes its classes on exit,
+        # megatron-core's own registrations included (common.pt under megatron-core 0.18 then fails to load)
+        torch.serialization.add_safe_globals(_safe_globals())
+        return torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise
     except Exception as e:  # truncated / corrupt pickle or zip

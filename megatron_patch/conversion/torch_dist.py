@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from megatron_patch import compat
 from megatron_patch.conversion.engine import (
     ConversionError,
     Plan,
@@ -78,6 +79,7 @@ def save_torch_dist(plan: Plan, get: Callable[[str], Tensor], hf_keys: Iterable[
     megatron-core materialises the whole state dict first; here each write item's data is computed
     when the writer asks for it (`_LazySavePlanner.resolve_data`)."""
     from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
+    from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME
 
     flat = flat_plan(plan)
     check_hf_keys(flat, hf_keys)
@@ -95,9 +97,12 @@ def save_torch_dist(plan: Plan, get: Callable[[str], Tensor], hf_keys: Iterable[
         return megatron_shards(flat, pl, [get(h) for h in pl.hf_names], dtype, expected)[0]
 
     common = {"checkpoint_version": 3.0, "iteration": 0, "args": checkpoint_args(plan, "torch_dist")}
-    planner = _LazySavePlanner(sharded, convert, common, dtype, log)
+    inline = compat.torch_dist_common_state_inline()
+    planner = _LazySavePlanner(sharded, convert, common if inline else None, dtype, log)
     release = os.path.join(out_dir, "release")
     os.makedirs(release)
+    if not inline:
+        torch.save(common, os.path.join(release, COMMON_STATE_FNAME))
     # two writer threads (two .distcp files): one converts while the other writes
     writer = dcp.FileSystemWriter(release, single_file_per_rank=True, thread_count=WRITE_THREADS)
     try:
@@ -125,7 +130,7 @@ class _LazySavePlanner(DefaultSavePlanner):
     whose data is produced on demand by `convert(state_dict_name)`. A converted tensor is kept only
     until all its pieces (two for a gated linear_fc1) have been handed to the writer threads."""
 
-    def __init__(self, sharded: dict, convert: Callable[[str], Tensor], common: dict, dtype: torch.dtype,
+    def __init__(self, sharded: dict, convert: Callable[[str], Tensor], common: dict | None, dtype: torch.dtype,
                  log: TensorLog | None = None):
         from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 
@@ -150,7 +155,8 @@ class _LazySavePlanner(DefaultSavePlanner):
                 self._add_tensor(entry, dtype, lambda n=name: tensor(n))
             else:
                 raise ConversionError(f"{name}: unexpected {type(entry).__name__} in the sharded state dict")
-        self._add_object(ShardedObject("common_state", None, (1,), (0,)).unique_key, common)
+        if common is not None:  # (else in common.pt: megatron_patch.compat.torch_dist_common_state_inline)
+            self._add_object(ShardedObject("common_state", None, (1,), (0,)).unique_key, common)
 
     def _tensor(self, name: str) -> Tensor:
         with self._lock:
@@ -193,14 +199,13 @@ class _LazySavePlanner(DefaultSavePlanner):
 def torch_dist_info(step_dir: str) -> tuple[torch.dtype, int, Namespace | None, int | None]:
     """(stored dtype, embedding rows, stored args, linear_qkv rows) from the checkpoint's metadata,
     no tensor data."""
-    from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint import FileSystemReader
 
     meta = FileSystemReader(step_dir).read_metadata()
     md = meta.state_dict_metadata.get("embedding.word_embeddings.weight")
     if md is None or not hasattr(md, "properties"):
         raise ConversionError(f"{step_dir}: no embedding.word_embeddings.weight in the checkpoint")
-    common = dist_checkpointing.load_common_state_dict(step_dir)
+    common = compat.load_torch_dist_common(step_dir)
     # layers are stacked under one key, except in per-layer specs (mixture-of-experts models)
     qkv = next((meta.state_dict_metadata[k] for k in ("decoder.layers.self_attention.linear_qkv.weight",
                                                       "decoder.layers.0.self_attention.linear_qkv.weight")

@@ -39,9 +39,59 @@ def test_cpu_cuda_calls_apply_and_undo():
             communication_utils._is_cuda(torch.ones(1))
 
 
-def test_every_patch_states_why_and_versions():
+# releases around the supported range: a patch's range must not reach past it (0.18.0, 0.20.0, a 1.0)
+_PROBES = ("0.17.1", "0.18.0", "0.18.1", "0.18.2", "0.19.0", "0.19.2", "0.19.99", "0.20.0rc1", "0.20.0", "1.0.0")
+
+
+def test_every_patch_states_why_and_a_tested_range_inside_the_supported_one():
+    """Every patch says why it exists and the megatron-core versions it applies to; those lie inside the
+    supported range (`compat.SUPPORTED`, setup.py's), and at least one tested release (`compat.TESTED`,
+    each run by .ci/run) falls in it, so this file tests it."""
+    from packaging.version import Version
+
+    from megatron_patch import compat
+
     for p in patches.registry().values():
-        assert p.why and str(p.versions)
+        assert p.why and str(p.versions), p.name
+        outside = [v for v in _PROBES if Version(v) in p.versions and Version(v) not in compat.SUPPORTED]
+        assert not outside, f"{p.name} ({p.versions}) reaches past the supported range {compat.SUPPORTED}: {outside}"
+        assert any(Version(v) in p.versions for v in compat.TESTED), f"{p.name} ({p.versions}) is never tested"
+
+
+@pytest.mark.parametrize("version", ["0.17.1", "0.18.1", "0.20.0"])
+def test_a_patch_is_never_applied_outside_its_range(monkeypatch, version):
+    """Under a megatron-core outside a patch's range, asking for the patch (directly, in a block, or as a
+    dependency of another: `cpu_training` applies two) does nothing: its code never runs, nothing is
+    active, and `apply` answers False."""
+    from packaging.version import Version
+
+    from megatron_patch import compat
+
+    monkeypatch.setattr(compat, "megatron_core_version", lambda: Version(version))
+    ran = []
+    for p in patches.registry().values():
+        assert Version(version) not in p.versions, f"{p.name}: pick a probe outside {p.versions}"
+        monkeypatch.setattr(p, "apply", lambda name=p.name: ran.append(name))
+        monkeypatch.delitem(patches._ACTIVE, p.name, raising=False)  # (the CPU harness may hold some)
+    for name in patches.registry():
+        assert patches.apply(name) is False and not patches.is_active(name)
+        with patches.applied(name) as active:
+            assert active is False
+    assert ran == [] and not any(patches.is_active(n) for n in patches.registry())
+
+
+def test_the_installed_megatron_core_is_supported():
+    """The process runs a supported megatron-core (a CI environment with another one fails here), and the
+    patches a CPU-only machine needs apply under it (each patch's own test checks what it does;
+    `paged_attention_in_torch` applies only without flash-attn, tested below)."""
+    from megatron_patch import compat
+
+    assert compat.megatron_core_version() in compat.SUPPORTED
+    if torch.cuda.is_available():
+        return
+    for name in ("cpu_cuda_calls", "cpu_parallel_state", "cpu_training", "prebuilt_dataset_helpers"):
+        with patches.applied(name) as active:
+            assert active, name
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the patch does nothing with CUDA")

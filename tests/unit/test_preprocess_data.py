@@ -202,3 +202,14 @@ def test_prefix_ending_in_the_suffix_is_not_doubled(tmp_path, capsys, good, tok,
     assert f"wrote {prefix}.bin and {prefix}.idx: train with --data-path {prefix}" in err
     assert sorted(os.listdir(tmp_path)) == ["good.jsonl", "out_text_document.bin", "out_text_document.idx"]
     assert read_back(prefix) == [tok.tokenize(t) for t in texts[:20] if t]
+
+
+def test_worker_pool_terminates_right_after_its_start():
+    """The tokenizing workers are forked with SIGTERM's default action: under the tool's own SIGTERM handler
+    (megatron_patch.cli.run) Python drops a signal that reaches a child before its after-fork setup, and
+    `Pool.terminate()` right after the start (an input with no tokens) waited forever on such a worker. In a
+    child process with a timeout, so that a regression fails instead of hanging the suite."""
+    code = ("import signal\nfrom toolkits.preprocess_data import _fork_pool\n"
+            "signal.signal(signal.SIGTERM, lambda s, f: (_ for _ in ()).throw(KeyboardInterrupt()))\n"
+            f"for _ in range(100):\n    _fork_pool(2, {TINY_TOKENIZER!r}, 'text').terminate()\n")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=300)
