@@ -120,28 +120,18 @@ def train(args) -> dict:
 def main(argv: list[str] | None = None) -> int:
     from megatron_patch.cli import HelpFormatter, positive_float, positive_int
     from megatron_patch.cli import run as run_tool
-    from megatron_patch.inference import add_model_args
+    from megatron_patch.rlhf.rollout import add_rollout_args
 
     p = argparse.ArgumentParser(prog="python -m megatron_patch.rlhf.grpo", description=__doc__,
                                 formatter_class=HelpFormatter)
-    add_model_args(p)
-    p.add_argument("--prompts", required=True, help="JSONL prompts (`prompt` text or chat `messages`)")
-    p.add_argument("--chat", action="store_true", help="render plain prompts with the chat template")
+    add_rollout_args(p, prompts_per_step=8, out_help="write the final policy here as an HF folder")
     p.add_argument("--reward", required=True, help="module:function, called as fn(prompt, completion) -> float")
     p.add_argument("--steps", type=positive_int, default=100, help="optimisation steps")
-    p.add_argument("--prompts-per-step", type=positive_int, default=8, help="prompts sampled per step")
     p.add_argument("--group-size", type=positive_int, default=8, help="completions per prompt (>= 2)")
-    p.add_argument("--max-new-tokens", type=positive_int, default=128, help="longest completion")
-    p.add_argument("--temperature", type=positive_float, default=1.0, help="sampling temperature of the rollouts")
-    p.add_argument("--top-p", type=float, default=0.0, help="nucleus sampling of the rollouts (0: off)")
     p.add_argument("--lr", type=positive_float, default=1e-6, help="AdamW learning rate")
     p.add_argument("--epochs", type=positive_int, default=1, help="policy updates per batch of rollouts")
     p.add_argument("--clip", type=positive_float, default=0.2, help="PPO-style ratio clip")
     p.add_argument("--kl-coef", type=float, default=0.04, help="weight of the KL penalty to the starting model")
-    p.add_argument("--clip-grad", type=positive_float, default=1.0, help="gradient norm clip")
-    p.add_argument("--seed", type=int, default=1234, help="sampling seed")
-    p.add_argument("--out", help="write the final policy here as an HF folder")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     args = p.parse_args(argv)
     return run_tool(lambda: train(args))[0]
 

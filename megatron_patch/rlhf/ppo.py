@@ -314,23 +314,17 @@ def train(args) -> dict:
 
 def parser() -> argparse.ArgumentParser:
     from megatron_patch.cli import HelpFormatter, positive_float, positive_int
-    from megatron_patch.inference import add_model_args
+    from megatron_patch.rlhf.rollout import add_rollout_args
 
     p = argparse.ArgumentParser(prog="python -m megatron_patch.rlhf.ppo", description=__doc__,
                                 formatter_class=HelpFormatter)
-    add_model_args(p)
-    p.add_argument("--prompts", required=True, help="JSONL prompts (`prompt` text or chat `messages`)")
-    p.add_argument("--chat", action="store_true", help="render plain prompts with the chat template")
+    add_rollout_args(p, prompts_per_step=16, out_help="write the final actor here as an HF causal LM")
     p.add_argument("--reward-model", help="a reward model (HF ...ForSequenceClassification folder or Megatron "
                                           "checkpoint) sharing the policy's tokenizer")
     p.add_argument("--reward", help="or a rule: module:function, called as fn(prompt, completion) -> float")
     p.add_argument("--critic", help="start the critic from this model (HF folder or Megatron checkpoint; default: the "
                                     "reward model, else the policy)")
     p.add_argument("--steps", type=positive_int, default=100, help="PPO steps (rollout + update)")
-    p.add_argument("--prompts-per-step", type=positive_int, default=16, help="rollouts per step (one per prompt)")
-    p.add_argument("--max-new-tokens", type=positive_int, default=128, help="longest completion")
-    p.add_argument("--temperature", type=positive_float, default=1.0, help="sampling temperature of the rollouts")
-    p.add_argument("--top-p", type=float, default=0.0, help="nucleus sampling of the rollouts (0: off)")
     p.add_argument("--lr", type=positive_float, default=1e-6, help="actor AdamW learning rate")
     p.add_argument("--critic-lr", type=positive_float, default=5e-6, help="critic AdamW learning rate")
     p.add_argument("--epochs", type=positive_int, default=1, help="passes over each batch of rollouts")
@@ -343,11 +337,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--kl-target", type=positive_float, help="adaptive KL: the per-completion KL aimed at (off: fixed)")
     p.add_argument("--kl-horizon", type=positive_int, default=10000, help="adaptive KL: horizon in rollouts")
     p.add_argument("--whiten-rewards", action="store_true", help="rescale token rewards to unit variance per batch")
-    p.add_argument("--clip-grad", type=positive_float, default=1.0, help="gradient norm clip (each model)")
-    p.add_argument("--seed", type=int, default=1234, help="sampling seed (and the fresh value head's)")
-    p.add_argument("--out", help="write the final actor here as an HF causal LM")
     p.add_argument("--critic-out", help="write the final critic here as an HF ...ForSequenceClassification")
-    p.add_argument("--overwrite", action="store_true", help="replace existing --out / --critic-out folders")
     p.add_argument("--save", help="checkpoint folder (every --save-interval steps and at the end)")
     p.add_argument("--save-interval", type=positive_int, default=50, help="steps between checkpoints")
     p.add_argument("--load", help="resume from this checkpoint folder's latest step")

@@ -210,3 +210,23 @@ def check_finite(loss: torch.Tensor, step: int, what: str = "the loss") -> None:
     if not torch.isfinite(loss):
         raise ValueError(f"step {step + 1}: {what} is {loss.item()} (non-finite); stopping before the model is "
                          "corrupted (lower the learning rate or check the reward)")
+
+
+def add_rollout_args(parser, prompts_per_step: int, out_help: str) -> None:
+    """The options GRPO and PPO share: the model, the prompts and how rollouts are sampled, the gradient clip,
+    the seed and the HF export."""
+    from megatron_patch.cli import positive_float, positive_int
+    from megatron_patch.inference import add_model_args
+
+    add_model_args(parser)
+    parser.add_argument("--prompts", required=True, help="JSONL prompts (`prompt` text or chat `messages`)")
+    parser.add_argument("--chat", action="store_true", help="render plain prompts with the chat template")
+    parser.add_argument("--prompts-per-step", type=positive_int, default=prompts_per_step,
+                        help="prompts sampled per step")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=128, help="longest completion")
+    parser.add_argument("--temperature", type=positive_float, default=1.0, help="sampling temperature of the rollouts")
+    parser.add_argument("--top-p", type=float, default=0.0, help="nucleus sampling of the rollouts (0: off)")
+    parser.add_argument("--clip-grad", type=positive_float, default=1.0, help="gradient norm clip (each model)")
+    parser.add_argument("--seed", type=int, default=1234, help="sampling seed (and a fresh value head's)")
+    parser.add_argument("--out", help=out_help)
+    parser.add_argument("--overwrite", action="store_true", help="replace existing output folders")
