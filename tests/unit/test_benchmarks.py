@@ -173,3 +173,9 @@ def test_torchtitan_row_fails_softly(tmp_path, monkeypatch, no_torchtitan_module
     monkeypatch.syspath_prepend(str(tmp_path / "newer"))
     assert titan_peer.unavailable() == ("torchtitan not installed / incompatible: torchtitan 0.3.0; this benchmark "
                                         "drives the 0.2.x Trainer (0.2.2 on torch 2.11)")
+
+
+def test_stage_wheels_without_names_is_one_error_line():
+    """benchmarks/stage_wheels.sh needs what to stage (fa4, titan or NAME==VER) and says so on one line."""
+    p = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "stage_wheels.sh")], capture_output=True, text=True)
+    assert p.returncode == 1 and p.stderr.startswith("error: ") and p.stderr.count("\n") == 1, p.stderr
