@@ -124,10 +124,12 @@ def _target_modules(modules: list[str], plan) -> list[str] | str:
 
 
 def write_peft(out: str, adapter: Adapter, plan, base_model: str | None = None, overwrite: bool = False) -> dict:
-    """A PEFT LoRA folder that `peft.PeftModel.from_pretrained(base, out)` loads (atomic)."""
+    """A PEFT LoRA folder that `peft.PeftModel.from_pretrained(base, out)` loads (atomic; every tensor checked for
+    NaN / Inf and listed with its CRC in tensors.json, as everything the converter writes)."""
     from safetensors.torch import save_file
 
     from megatron_patch.conversion.atomic import atomic_output_dir, check_output
+    from megatron_patch.conversion.manifest import TensorLog
 
     check_output(out, overwrite)
     modules = sorted(adapter.modules)
@@ -139,13 +141,14 @@ def write_peft(out: str, adapter: Adapter, plan, base_model: str | None = None, 
         "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {},
         "inference_mode": True,
     }
-    tensors = {}
+    tensors, log = {}, TensorLog()
     for m in modules:
-        a, b = adapter.modules[m]
-        tensors[f"{PEFT_PREFIX}{m}.lora_A.weight"] = a.detach().contiguous()
-        tensors[f"{PEFT_PREFIX}{m}.lora_B.weight"] = b.detach().contiguous()
+        for side, t in zip((PREFIX_A, PREFIX_B), adapter.modules[m]):
+            name = f"{PEFT_PREFIX}{m}.{side}.weight"
+            tensors[name] = log.add(name, t.detach().contiguous())
     with atomic_output_dir(out, overwrite) as tmp:
         save_file(tensors, os.path.join(tmp, WEIGHTS), metadata={"format": "pt"})
+        log.write(tmp)
         with open(os.path.join(tmp, CONFIG), "w") as f:
             json.dump(config, f, indent=2)
     return {"peft": os.path.abspath(out), "modules": len(modules), "rank": adapter.rank, "alpha": adapter.alpha}

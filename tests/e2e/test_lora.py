@@ -205,6 +205,16 @@ def test_bad_input_is_a_clear_error(cpu_megatron, tmp_path):
     foreign = P.Adapter({"model.layers.9.self_attn.q_proj": adapter.modules["model.layers.0.self_attn.q_proj"]}, 4, 8.0)
     with pytest.raises(LoRAError, match="layers.9.self_attn.q_proj is not a linear LoRA can adapt"):
         P.from_peft(foreign, plan)
+    # a non-finite adapter is refused like every tensor the project writes (manifest.TensorLog): no folder left
+    from megatron_patch.conversion.manifest import NonFiniteError
+
+    name = "model.layers.0.self_attn.q_proj"
+    a_nan = adapter.modules[name][0].clone()
+    a_nan[0, 0] = float("nan")
+    with pytest.raises(NonFiniteError, match=r"q_proj\.lora_A\.weight has 1 non-finite values"):
+        P.write_peft(str(tmp_path / "nan_peft"), P.Adapter({name: (a_nan, adapter.modules[name][1])}, RANK, ALPHA),
+                     plan)
+    assert not os.path.exists(tmp_path / "nan_peft")
 
 
 # --- end to end: python -m megatron_patch.sft --lora-rank ... (spawned gloo worlds) ---------------------------
