@@ -227,7 +227,7 @@ class Trainer:
         if state["tp"] != self.args.tp:
             raise ValueError(f"--load {folder} was saved at TP={state['tp']}: resume it with --tp {state['tp']}")
         saved = torch.load(os.path.join(step_dir, f"rank_{ps.get_tensor_model_parallel_rank():02d}.pt"),
-                           map_location=self.device, weights_only=False)
+                           map_location=self.device, weights_only=True)
         self.policy.load_state_dict(saved["actor"])
         self.critic.load_state_dict(saved["critic"])
         self.policy_opt.load_state_dict(saved["actor_optimizer"])
