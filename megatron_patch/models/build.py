@@ -19,6 +19,19 @@ from megatron_patch.names import IMPLS
 MODEL_CLASSES = ("gpt", "hybrid")  # megatron-core's GPTModel, or its HybridModel (models/hybrid.py)
 
 
+def model_class_parts(model_class: str) -> tuple[Any, Any]:
+    """(the function assembling a model of `model_class` from a ready `TransformerConfig`: `gpt_model` or
+    `hybrid.hybrid_model`; the `TransformerConfig` fields that class needs, a function of (hf_config, family)):
+    what `build_model` and the training model provider both choose by the model class."""
+    if model_class not in MODEL_CLASSES:
+        raise ValueError(f"model_class must be one of {MODEL_CLASSES}, got {model_class!r}")
+    if model_class == "hybrid":
+        from megatron_patch.models.hybrid import config_overrides, hybrid_model
+
+        return hybrid_model, config_overrides
+    return gpt_model, lambda hf_config, family=None: {}
+
+
 def transformer_engine_available() -> bool:
     import importlib.util
 
@@ -86,15 +99,9 @@ def build_model(hf_config: Any, tp: int = 1, pp: int = 1, impl: Impl = "local",
     if impl == "transformer_engine" and not transformer_engine_available():
         raise ValueError("the transformer_engine implementation needs Transformer Engine, which is not installed: "
                          "install it (pip install 'megatron_patch[te]', on a CUDA machine) or run with --impl local")
-    if model_class not in MODEL_CLASSES:
-        raise ValueError(f"model_class must be one of {MODEL_CLASSES}, got {model_class!r}")
+    build, class_fields = model_class_parts(model_class)
     family = family or get_family(hf_config)
-    build = gpt_model
-    if model_class == "hybrid":
-        from megatron_patch.models.hybrid import config_overrides as hybrid_config
-        from megatron_patch.models.hybrid import hybrid_model as build
-
-        config_overrides = {**hybrid_config(hf_config, family), **config_overrides}
+    config_overrides = {**class_fields(hf_config, family), **config_overrides}
     layout = Layout(tp, pp, make_vocab_size_divisible_by, ep, etp)
     family.check_layout(hf_config, layout)
     ensure_model_parallel(tp, pp, ep, etp)

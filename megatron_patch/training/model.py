@@ -10,7 +10,7 @@ import dataclasses
 from typing import Any
 
 from megatron_patch.models import Layout, ModelFamily, get_family
-from megatron_patch.models.build import gpt_model
+from megatron_patch.models.build import model_class_parts
 
 
 def transformer_config_from_args(args, hf_config: Any, family: ModelFamily | None = None):
@@ -20,10 +20,7 @@ def transformer_config_from_args(args, hf_config: Any, family: ModelFamily | Non
     base = core_transformer_config_from_args(args)
     fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init}
     fields.update(family.config_kwargs(hf_config))
-    if getattr(args, "model_class", "gpt") == "hybrid":
-        from megatron_patch.models.hybrid import config_overrides
-
-        fields.update(config_overrides(hf_config, family))
+    fields.update(model_class_parts(getattr(args, "model_class", "gpt"))[1](hf_config, family))
     shapes = family.shapes(hf_config, Layout(args.tensor_model_parallel_size, 1, args.make_vocab_size_divisible_by))
     fields["num_query_groups"] = shapes.num_query_groups
     fields["hidden_dropout"], fields["attention_dropout"] = args.hidden_dropout, args.attention_dropout
@@ -84,9 +81,7 @@ def make_model_provider(hf_config: Any):
 
         args = get_args()
         tc = transformer_config_from_args(args, hf_config, family)
-        build = gpt_model
-        if getattr(args, "model_class", "gpt") == "hybrid":
-            from megatron_patch.models.hybrid import hybrid_model as build
+        build = model_class_parts(getattr(args, "model_class", "gpt"))[0]
         model = build(hf_config, tc, args.padded_vocab_size, pre_process, post_process, family=family,
                       fp16_lm_cross_entropy=args.fp16_lm_cross_entropy, parallel_output=True,
                       **({"vp_stage": vp_stage} if vp_stage is not None else {}))
