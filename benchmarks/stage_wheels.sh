@@ -6,13 +6,12 @@
 #   bash benchmarks/stage_wheels.sh titan        # torchtitan 0.2.2 and its dependencies (train_bench.py's peer)
 #   bash benchmarks/stage_wheels.sh NAME==VER... # any wheels
 #
-# Wheels go to .device/extra (git-ignored). A call may carry 64 MiB, so files over 50 MiB are split into
+# Wheels go to .device/extra (.gitignore lists /.device/). A call may carry 64 MiB, so files over 50 MiB are split into
 # parts, one folder .device/xN per call; the script prints the `run` calls to make, back to back, on the warm
 # machine that already has /tmp/site. The last call runs .device/extra/install.sh, which joins the parts,
 # checks their SHA-256 and installs everything into /tmp/site.
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
-grep -qx '/.device/' .git/info/exclude 2>/dev/null || echo '/.device/' >> .git/info/exclude
 PLAT="--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64"
 # FlashAttention-4 runs on SM90 with a paged KV cache (megatron-core prefers it in flash_decode_and_prefill);
 # pure Python over NVIDIA's CuTe DSL, whose CUDA 13 libraries are the one large wheel.
