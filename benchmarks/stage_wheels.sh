@@ -11,7 +11,7 @@
 # machine that already has /tmp/site. The last call runs .device/extra/install.sh, which joins the parts,
 # checks their SHA-256 and installs everything into /tmp/site.
 set -euo pipefail
-cd "$(git rev-parse --show-toplevel)"
+cd "$(dirname "$0")/.."
 PLAT="--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64"
 # FlashAttention-4 runs on SM90 with a paged KV cache (megatron-core prefers it in flash_decode_and_prefill);
 # pure Python over NVIDIA's CuTe DSL, whose CUDA 13 libraries are the one large wheel.
