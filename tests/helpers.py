@@ -75,11 +75,12 @@ def pretrain_argv(data: str, save: str, *extra: str, model=("--hf-config", TINY_
             os.path.join(os.path.dirname(save), "cache"), *extra]
 
 
-def tiny_lm_folder(path: str) -> str:
-    """A tiny random causal LM saved as an HF folder together with the tiny tokenizer's files."""
+def tiny_lm_folder(path: str, variant: str = "gqa") -> str:
+    """A tiny random causal LM (a `tests.models` LLaMA variant) saved as an HF folder together with the tiny
+    tokenizer's files."""
     from megatron_patch.conversion.hf_io import copy_side_files
     from tests.models import hf_model, llama_config, save_hf
 
-    save_hf(hf_model(llama_config("gqa")), path)
+    save_hf(hf_model(llama_config(variant)), path)
     copy_side_files(TINY_TOKENIZER, path, ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"])
     return path

@@ -4,7 +4,6 @@ fixed prompts, compared on logits (max abs diff), KL divergence and top-1 agreem
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -27,58 +26,20 @@ def megatron_logits(model, input_ids: Tensor, vocab_size: int) -> Tensor | None:
     """Full-vocab logits [batch, seq, vocab] from a megatron-core GPTModel at any TP x PP.
 
     Every rank of the model-parallel group calls this; the result is returned on all ranks."""
-    from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from megatron_patch.models import pipeline
 
     device = next(model.parameters()).device
     ids = input_ids.to(device)
     b, s = ids.shape
     pos = torch.arange(s, device=device).unsqueeze(0).expand(b, -1)
-    mask = causal_mask(s).to(device)
-    with torch.no_grad(), patches.applied("cpu_cuda_calls"):
-        if ps.get_pipeline_model_parallel_world_size() == 1:
-            out = model(ids, pos, mask)
-        else:
-            out = _pipeline_forward(model, ids, pos, mask)
+    with torch.no_grad():
+        out = pipeline.forward(model, ids, pos, causal_mask(s).to(device))
         if out is not None:
-            out = gather_from_tensor_model_parallel_region(out)[..., :vocab_size].float().cpu()
-    return _from_last_stage(out, (b, s, vocab_size))
-
-
-def _pipeline_forward(model, ids: Tensor, pos: Tensor, mask: Tensor) -> Tensor | None:
-    from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    captured: list[Tensor] = []
-
-    def forward_step(_data_iterator, m):
-        def loss_func(output):
-            captured.append(output)
-            return output.sum() * 0, {}
-
-        return m(ids, pos, mask), loss_func
-
-    model.config.variable_seq_lengths = False
-    get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter([None]), model=[model],
-        num_microbatches=1, seq_length=ids.shape[1], micro_batch_size=ids.shape[0], forward_only=True,
-    )
-    return captured[0] if ps.is_pipeline_last_stage() else None
-
-
-def _from_last_stage(out: Tensor | None, shape: tuple[int, ...]) -> Tensor:
-    """Send the last pipeline stage's tensor to every rank."""
-    from megatron.core import parallel_state as ps
-
-    if ps.get_pipeline_model_parallel_world_size() == 1:
-        return out
-    src = ps.get_pipeline_model_parallel_last_rank()
-    buf = out.contiguous() if out is not None else torch.empty(shape)
-    buf = buf.to(torch.float32)
-    if dist.get_backend(ps.get_pipeline_model_parallel_group()) == "nccl":
-        buf = buf.cuda()
-    dist.broadcast(buf, src, group=ps.get_pipeline_model_parallel_group())
-    return buf.cpu()
+            with patches.applied("cpu_cuda_calls"):
+                out = gather_from_tensor_model_parallel_region(out)[..., :vocab_size].float().cpu()
+    return pipeline.from_last_stage(out, (b, s, vocab_size), device="cpu")
 
 
 def compare(reference: Tensor, candidate: Tensor) -> dict:

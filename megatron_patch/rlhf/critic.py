@@ -49,25 +49,25 @@ def check_same_vocabulary(flag: str, path: str, role: str, policy_cfg: dict, tok
     return cfg
 
 
-def load_critic(path: str, tp: int, impl: str | None, dtype, seed: int):
+def load_critic(path: str, tp: int, pp: int, impl: str | None, dtype, seed: int):
     """(critic, its HF config): the model at `path` with the scalar head of a reward model. A reward model
-    is used as it is; a causal LM gives its backbone, and the head starts from a seeded normal draw
-    (init_method_std; the same on every TP rank and at every TP)."""
+    is used as it is; a causal LM gives its backbone, and the head (on the last pipeline stage) starts from a
+    seeded normal draw (init_method_std; the same on every TP rank and at every TP x PP)."""
     from megatron_patch.conversion.engine import load_rank_state_dict
     from megatron_patch.inference import load_model
     from megatron_patch.models import build_model
     from megatron_patch.models.reward import as_reward_config, is_reward_config
 
-    source, cfg = load_model(*model_paths(path), tp, 1, impl, dtype)
+    source, cfg = load_model(*model_paths(path), tp, pp, impl, dtype)
     if is_reward_config(cfg):
         return source, cfg
     cfg = as_reward_config(cfg)
-    rows = source.embedding.word_embeddings.weight.shape[0] * tp
-    critic = build_model(cfg, tp, 1, impl=impl or source.config.transformer_impl, dtype=dtype,
-                         padded_vocab_size=rows, perform_initialization=False)
+    critic = build_model(cfg, tp, pp, impl=impl or source.config.transformer_impl, dtype=dtype,
+                         padded_vocab_size=source.vocab_size, perform_initialization=False)
     state = {k: v for k, v in source.state_dict().items() if not k.startswith("output_layer.")}
-    head = critic.output_layer.weight
-    g = torch.Generator().manual_seed(seed)
-    state["output_layer.weight"] = (torch.randn(head.shape, generator=g) * critic.config.init_method_std).to(head)
+    if critic.post_process:
+        head = critic.output_layer.weight
+        g = torch.Generator().manual_seed(seed)
+        state["output_layer.weight"] = (torch.randn(head.shape, generator=g) * critic.config.init_method_std).to(head)
     load_rank_state_dict(critic, state)
     return critic.eval(), cfg

@@ -3,11 +3,12 @@
     python -m megatron_patch.rlhf.grpo --hf-dir SFT_MODEL --prompts prompts.jsonl --reward my_rules:score \\
         --group-size 8 --prompts-per-step 8 --steps 200 --max-new-tokens 256 --lr 1e-6 --out grpo_hf
     torchrun --nproc-per-node 2 -m megatron_patch.rlhf.grpo ... --tp 2            # tensor parallel
+    torchrun --nproc-per-node 4 -m megatron_patch.rlhf.grpo ... --tp 2 --pp 2     # and pipeline parallel
 
 Each step: `--prompts-per-step` prompts (JSONL `prompt` text or chat `messages`, cycled) are each sampled
-`--group-size` times on the policy itself, all of them in one call of megatron-core's dynamic inference
-engine (`megatron_patch.inference.generate`: continuous batching, CUDA graphs on a GPU; the engine is kept
-for the next step while its sizes fit), temperature `--temperature`; a reward per completion comes from a
+`--group-size` times on the policy itself, all of them in one call of megatron-core's inference engine
+(`megatron_patch.inference.generate`, `--engine`: the dynamic one batches continuously with CUDA graphs on a GPU
+and is kept for the next step while its sizes fit), temperature `--temperature`; a reward per completion comes from a
 Python function (`--reward module:function`, called as fn(prompt, completion) -> float); advantages are the
 rewards normalised within each prompt's group ((r - mean) / (std + 1e-4)); then `--epochs` passes of the
 clipped policy loss
@@ -16,13 +17,14 @@ clipped policy loss
 
 per completion token (ratio against the policy that sampled, the k3 KL estimator against the frozen starting
 model), averaged over each completion's tokens and then over completions, with AdamW. The policy is a
-megatron-core GPTModel of any registered family (TP under torchrun; one data-parallel replica); the final
+megatron-core GPTModel of any registered family (TP and PP under torchrun; one data-parallel replica); the final
 policy is written to `--out` as an HF folder. One JSON line per step (mean reward, KL, loss), then a summary.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -49,15 +51,25 @@ def grpo_loss(logps, old, ref, advantages, mask, clip: float, kl_coef: float):
     return loss, ((kl.detach() * mask).sum(1) / n).mean().item()
 
 
+def _logits_loss(logits, labels, old, ref, advantages, mask, clip: float, kl_coef: float):
+    """`grpo_loss` from the policy's logits, with its metrics (`pipeline.forward_backward`'s loss function)."""
+    from megatron_patch.rlhf.rollout import logps_of
+
+    loss, kl = grpo_loss(logps_of(logits, labels), old, ref, advantages, mask, clip, kl_coef)
+    return loss, {"loss": loss.item(), "kl": kl}
+
+
 def train(args) -> dict:
     from megatron_patch.cli import is_first_rank
     from megatron_patch.conversion.atomic import check_output
     from megatron_patch.inference import model_folder, read_prompts
+    from megatron_patch.models import pipeline
     from megatron_patch.names import torch_dtype
     from megatron_patch.rlhf.rollout import (
         check_finite,
-        clip_grad_norm,
+        check_layout,
         load_reward,
+        optimizer_step,
         policy_and_reference,
         rewards_of,
         rollout,
@@ -66,6 +78,7 @@ def train(args) -> dict:
     )
     from megatron_patch.tokenizer import build_tokenizer
 
+    check_layout(args, "GRPO")
     if args.group_size < 2:
         raise ValueError("--group-size must be >= 2: advantages are normalised within each prompt's group, so a "
                          "group of one always has advantage 0 and nothing is learned")
@@ -78,7 +91,7 @@ def train(args) -> dict:
     tokenizer = build_tokenizer(tok_dir)
     texts, prompt_ids = read_prompts(args.prompts, tokenizer, args.chat)
     torch.manual_seed(args.seed)
-    policy, reference, cfg = policy_and_reference(args.mcore_dir, args.hf_dir, args.tp, args.impl,
+    policy, reference, cfg = policy_and_reference(args.mcore_dir, args.hf_dir, args.tp, args.pp, args.impl,
                                                   torch_dtype(args.dtype))
     opt = torch.optim.AdamW([p for p in policy.parameters()], lr=args.lr, weight_decay=0.0)
     device = next(policy.parameters()).device
@@ -88,29 +101,28 @@ def train(args) -> dict:
         rows = [(step * args.prompts_per_step + i) % len(prompt_ids) for i in range(args.prompts_per_step)
                 for _ in range(args.group_size)]
         r = rollout(policy, tokenizer, [prompt_ids[i] for i in rows], args.max_new_tokens, args.temperature,
-                    args.top_p, args.seed + step, device)
+                    args.top_p, args.seed + step, device, args.engine)
         rewards = rewards_of(reward_fn, args.reward, texts, rows, r.texts, args.group_size)
         advantages = group_advantages(rewards, args.group_size).to(device)
         tokens, labels, mask = r.tokens, r.labels, r.mask
-        with torch.no_grad():
-            old = token_logps(policy, tokens, labels)
-            ref = token_logps(reference, tokens, labels)
+        old = token_logps(policy, tokens, labels)
+        ref = token_logps(reference, tokens, labels)
+
+        loss_fn = functools.partial(_logits_loss, labels=labels, old=old, ref=ref, advantages=advantages, mask=mask,
+                                    clip=args.clip, kl_coef=args.kl_coef)
         policy.train()
         for _ in range(args.epochs):
-            loss, kl = grpo_loss(token_logps(policy, tokens, labels), old, ref, advantages, mask, args.clip,
-                                 args.kl_coef)
-            check_finite(loss, step)
             opt.zero_grad(set_to_none=True)
-            loss.backward()
-            clip_grad_norm(policy.parameters(), args.clip_grad)
-            opt.step()
-        row = {"step": step + 1, "reward": round(float(rewards.mean()), 4), "kl": round(kl, 5),
-               "loss": round(loss.item(), 5)}
+            metrics = pipeline.forward_backward(policy, tokens, loss_fn)
+            check_finite(metrics["loss"], step)
+            optimizer_step(policy, opt, args.clip_grad)
+        row = {"step": step + 1, "reward": round(float(rewards.mean()), 4), "kl": round(metrics["kl"], 5),
+               "loss": round(metrics["loss"], 5)}
         history.append(row)
         if is_first_rank():
             print(json.dumps(row), file=sys.stderr, flush=True)
     if args.out:
-        save_hf(policy, cfg, tok_dir, args.out, args.tp, args.overwrite)
+        save_hf(policy, cfg, tok_dir, args.out, args.tp, args.pp, args.overwrite)
     k = max(1, len(history) // 5)
     return {"steps": len(history), "reward_first": round(statistics.mean(r["reward"] for r in history[:k]), 4),
             "reward_last": round(statistics.mean(r["reward"] for r in history[-k:]), 4),

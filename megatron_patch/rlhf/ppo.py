@@ -4,8 +4,10 @@
         --steps 200 --prompts-per-step 16 --max-new-tokens 256 --lr 1e-6 --critic-lr 5e-6 \\
         --out ppo_hf --critic-out critic_hf --save ppo_ckpt
     torchrun --nproc-per-node 2 -m megatron_patch.rlhf.ppo ... --tp 2             # tensor parallel
+    torchrun --nproc-per-node 4 -m megatron_patch.rlhf.ppo ... --tp 2 --pp 2      # and pipeline parallel
 
-Four megatron-core GPTModels, colocated on the same ranks in one TP layout: the actor (the policy, trained),
+Four megatron-core GPTModels, colocated on the same ranks in one TP x PP layout (at PP > 1 each runs through
+megatron-core's pipeline schedule, `megatron_patch.models.pipeline`): the actor (the policy, trained),
 a frozen reference (the starting policy), a frozen reward model (`--reward-model`, a
 `<Family>ForSequenceClassification` trained by `megatron_patch.rlhf.reward_model`; or a rule, `--reward
 module:function` called as fn(prompt, completion) -> float) and the critic (trained): a value head on any
@@ -88,15 +90,15 @@ class Trainer:
 
         self.args, self.tokenizer, self.texts, self.prompt_ids = args, tokenizer, prompt_texts, prompt_ids
         dtype = torch_dtype(args.dtype)
-        self.policy, self.reference, self.cfg = policy_and_reference(args.mcore_dir, args.hf_dir, args.tp, args.impl,
-                                                                     dtype)
+        self.policy, self.reference, self.cfg = policy_and_reference(args.mcore_dir, args.hf_dir, args.tp, args.pp,
+                                                                     args.impl, dtype)
         self.reward_fn = load_reward(args.reward) if args.reward else None
         self.reward_model = self.reward_cfg = None
         if args.reward_model:
-            model, self.reward_cfg = load_model(*model_paths(args.reward_model), args.tp, 1, args.impl, dtype)
+            model, self.reward_cfg = load_model(*model_paths(args.reward_model), args.tp, args.pp, args.impl, dtype)
             self.reward_model = frozen(model)
         critic_from = args.critic or args.reward_model or args.hf_dir or args.mcore_dir
-        self.critic, self.critic_cfg = load_critic(critic_from, args.tp, args.impl, dtype, args.seed)
+        self.critic, self.critic_cfg = load_critic(critic_from, args.tp, args.pp, args.impl, dtype, args.seed)
         for p in self.critic.parameters():
             p.requires_grad_(True)
         self.policy_opt = torch.optim.AdamW(self.policy.parameters(), lr=args.lr, weight_decay=0.0)
@@ -106,23 +108,31 @@ class Trainer:
         self.history: list[dict] = []
 
     def values(self, tokens: torch.Tensor) -> torch.Tensor:
-        from megatron_patch.rlhf.rollout import model_outputs
+        """The critic's value at every position [rows, s], without gradient, on every rank."""
+        from megatron_patch.models import pipeline
 
-        return model_outputs(self.critic, tokens)[..., 0].float()
+        with torch.no_grad():
+            out = pipeline.forward(self.critic, tokens)
+        return pipeline.from_last_stage(out[..., 0] if out is not None else None, tuple(tokens.shape),
+                                        device=self.device)
 
     def scores(self, rows: list[int], r) -> torch.Tensor:
         """The reward of each completion: the reward model's value at the sequence's scored token (its last
         real token, as the reward model was trained and as HF scores it), or the rule's."""
+        from megatron_patch.models import pipeline
         from megatron_patch.models.reward import scored_values
-        from megatron_patch.rlhf.rollout import model_outputs, rewards_of
+        from megatron_patch.rlhf.rollout import rewards_of
 
         if self.reward_model is not None:
-            values = model_outputs(self.reward_model, r.tokens).float()
+            with torch.no_grad():
+                out = pipeline.forward(self.reward_model, r.tokens)
+            values = pipeline.from_last_stage(out, (*r.tokens.shape, 1), device=self.device)
             return scored_values(values, r.tokens, r.lengths, self.reward_cfg.get("pad_token_id"))
         return rewards_of(self.reward_fn, self.args.reward, self.texts, rows, r.texts).to(self.device)
 
     def step(self, step: int):
         """One PPO step: (its metrics, the rollouts it trained on)."""
+        from megatron_patch.models import pipeline
         from megatron_patch.rlhf.ppo_loss import (
             gae,
             masked_mean,
@@ -132,18 +142,17 @@ class Trainer:
             value_loss,
             whiten,
         )
-        from megatron_patch.rlhf.rollout import check_finite, clip_grad_norm, rollout, token_logps
+        from megatron_patch.rlhf.rollout import check_finite, logps_of, optimizer_step, rollout, token_logps
 
         a = self.args
         rows = [(step * a.prompts_per_step + i) % len(self.prompt_ids) for i in range(a.prompts_per_step)]
         r = rollout(self.policy, self.tokenizer, [self.prompt_ids[i] for i in rows], a.max_new_tokens,
-                    a.temperature, a.top_p, a.seed + step, self.device)
+                    a.temperature, a.top_p, a.seed + step, self.device, a.engine)
         self.critic.eval()
-        with torch.no_grad():
-            old = token_logps(self.policy, r.tokens, r.labels)
-            ref = token_logps(self.reference, r.tokens, r.labels)
-            old_values = self.values(r.tokens)
-            scores = self.scores(rows, r)
+        old = token_logps(self.policy, r.tokens, r.labels)
+        ref = token_logps(self.reference, r.tokens, r.labels)
+        old_values = self.values(r.tokens)
+        scores = self.scores(rows, r)
         kl = sequence_kl(old, ref, r.mask)
         rewards = token_rewards(scores, old, ref, r.mask, self.kl.value)
         if a.whiten_rewards:
@@ -157,22 +166,28 @@ class Trainer:
         for _ in range(a.epochs):
             for mb in torch.arange(len(rows)).chunk(a.mini_batches):
                 tokens, mask = r.tokens[mb], r.mask[mb]
-                logps, entropy = token_logps(self.policy, tokens, r.labels[mb], entropy=True)
-                pg, clip_frac = policy_loss(logps, old[mb], advantages[mb], mask, a.clip)
-                check_finite(pg, step, "the policy loss")
+
+                def actor_loss(logits, mb=mb, mask=mask):
+                    logps, entropy = logps_of(logits, r.labels[mb], entropy=True)
+                    pg, clip_frac = policy_loss(logps, old[mb], advantages[mb], mask, a.clip)
+                    return pg, {"policy_loss": pg.item(), "clip_frac": clip_frac,
+                                "entropy": float(masked_mean(entropy, mask))}
+
+                def critic_loss(out, mb=mb, mask=mask):
+                    vf, value_clip_frac = value_loss(out[..., 0].float(), old_values[mb], returns[mb], mask,
+                                                     a.value_clip)
+                    return vf, {"value_loss": vf.item(), "value_clip_frac": value_clip_frac}
+
                 self.policy_opt.zero_grad(set_to_none=True)
-                pg.backward()
-                clip_grad_norm(self.policy.parameters(), a.clip_grad)
-                self.policy_opt.step()
-                vf, value_clip_frac = value_loss(self.values(tokens), old_values[mb], returns[mb], mask, a.value_clip)
-                check_finite(vf, step, "the value loss")
+                metrics = pipeline.forward_backward(self.policy, tokens, actor_loss)
+                check_finite(metrics["policy_loss"], step, "the policy loss")
+                optimizer_step(self.policy, self.policy_opt, a.clip_grad)
                 self.critic_opt.zero_grad(set_to_none=True)
-                vf.backward()
-                clip_grad_norm(self.critic.parameters(), a.clip_grad)
-                self.critic_opt.step()
-                for k, v in (("policy_loss", pg.item()), ("value_loss", vf.item()), ("clip_frac", clip_frac),
-                             ("value_clip_frac", value_clip_frac), ("entropy", float(masked_mean(entropy, mask)))):
-                    stats[k].append(v)
+                metrics |= pipeline.forward_backward(self.critic, tokens, critic_loss)
+                check_finite(metrics["value_loss"], step, "the value loss")
+                optimizer_step(self.critic, self.critic_opt, a.clip_grad)
+                for k in stats:
+                    stats[k].append(metrics[k])
         row = {"step": step + 1, "reward": float(scores.mean()), "kl": float(kl.mean()), "kl_coef": self.kl.value,
                **{k: statistics.mean(v) for k, v in stats.items()},
                "response_length": statistics.mean(r.completion_lengths)}
@@ -182,28 +197,44 @@ class Trainer:
 
     # --- checkpoints --------------------------------------------------------------------------------------
 
+    @staticmethod
+    def rank_file(step_dir: str) -> str:
+        """This rank's file in a step folder: `rank_TT.pt`, `rank_TT_PPP.pt` at PP > 1 (megatron's naming)."""
+        from megatron.core import parallel_state
+
+        from megatron_patch.models.parallel import current_rank
+
+        rank = current_rank()
+        pp = parallel_state.get_pipeline_model_parallel_world_size()
+        return os.path.join(step_dir, f"rank_{rank.tp:02d}" + (f"_{rank.pp:03d}" if pp > 1 else "") + ".pt")
+
     def save(self, folder: str, step: int) -> None:
-        """`folder/step_N/rank_TT.pt` (actor, critic, both optimizers, RNG) per TP rank, then `state.json`
-        (step, KL coefficient, history) and the tracker `latest`, which is written last: a step folder the
-        tracker names is complete."""
+        """`folder/step_N/rank_TT[_PPP].pt` (actor, critic, both optimizers, RNG) per TP x PP rank, then
+        `state.json` (step, layout, KL coefficient, history) and the tracker `latest`, which is written last: a
+        step folder the tracker names is complete."""
         import torch.distributed as dist
-        from megatron.core import parallel_state as ps
 
         from megatron_patch.cli import is_first_rank
         from megatron_patch.conversion.atomic import atomic_output_file
 
         step_dir = os.path.join(folder, f"step_{step:06d}")
         os.makedirs(step_dir, exist_ok=True)
-        path = os.path.join(step_dir, f"rank_{ps.get_tensor_model_parallel_rank():02d}.pt")
-        torch.save({"actor": self.policy.state_dict(), "critic": self.critic.state_dict(),
-                    "actor_optimizer": self.policy_opt.state_dict(), "critic_optimizer": self.critic_opt.state_dict(),
-                    "rng": torch.get_rng_state()}, path + ".partial")
-        os.replace(path + ".partial", path)
+        path = self.rank_file(step_dir)
+        try:
+            torch.save({"actor": self.policy.state_dict(), "critic": self.critic.state_dict(),
+                        "actor_optimizer": self.policy_opt.state_dict(),
+                        "critic_optimizer": self.critic_opt.state_dict(), "rng": torch.get_rng_state()},
+                       path + ".partial")
+            os.replace(path + ".partial", path)
+        finally:
+            if os.path.exists(path + ".partial"):
+                os.remove(path + ".partial")
         if dist.is_initialized():
             dist.barrier()
         if is_first_rank():
             with atomic_output_file(os.path.join(step_dir, STATE)) as f:
-                json.dump({"step": step, "tp": self.args.tp, "kl_coef": self.kl.value, "history": self.history}, f)
+                json.dump({"step": step, "tp": self.args.tp, "pp": self.args.pp, "kl_coef": self.kl.value,
+                           "history": self.history}, f)
             with atomic_output_file(os.path.join(folder, TRACKER)) as f:
                 f.write(f"{step}\n")
         if dist.is_initialized():
@@ -211,8 +242,6 @@ class Trainer:
 
     def load(self, folder: str) -> int:
         """Resume from `folder`'s latest complete step; returns the number of steps done (0: nothing there)."""
-        from megatron.core import parallel_state as ps
-
         from megatron_patch.cli import is_first_rank
 
         tracker = os.path.join(folder, TRACKER)
@@ -224,10 +253,11 @@ class Trainer:
         step = int(open(tracker).read().strip())
         step_dir = os.path.join(folder, f"step_{step:06d}")
         state = json.load(open(os.path.join(step_dir, STATE)))
-        if state["tp"] != self.args.tp:
-            raise ValueError(f"--load {folder} was saved at TP={state['tp']}: resume it with --tp {state['tp']}")
-        saved = torch.load(os.path.join(step_dir, f"rank_{ps.get_tensor_model_parallel_rank():02d}.pt"),
-                           map_location=self.device, weights_only=True)
+        saved_at = (state["tp"], state.get("pp", 1))
+        if saved_at != (self.args.tp, self.args.pp):
+            raise ValueError(f"--load {folder} was saved at TP={saved_at[0]} x PP={saved_at[1]}: resume it with "
+                             f"--tp {saved_at[0]} --pp {saved_at[1]}")
+        saved = torch.load(self.rank_file(step_dir), map_location=self.device, weights_only=True)
         self.policy.load_state_dict(saved["actor"])
         self.critic.load_state_dict(saved["critic"])
         self.policy_opt.load_state_dict(saved["actor_optimizer"])
@@ -238,18 +268,13 @@ class Trainer:
 
 
 def check_args(args) -> None:
-    import torch.distributed as dist
+    from megatron_patch.rlhf.rollout import check_layout
 
     if bool(args.reward_model) == bool(args.reward):
         raise ValueError("pass one of --reward-model DIR (a reward model) or --reward module:function (a rule)")
     if not (args.mcore_dir or args.hf_dir):
         raise ValueError("pass --mcore-dir CKPT or --hf-dir DIR (the policy to start from)")
-    if args.pp != 1 or args.ep != 1:
-        raise ValueError("PPO runs its four models in one tensor-parallel group: --pp and --ep must be 1 (pipeline "
-                         "and expert parallelism are not supported yet)")
-    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-    if world != args.tp:
-        raise ValueError(f"PPO runs one replica: start {args.tp} process(es) for --tp {args.tp} (found {world})")
+    check_layout(args, "PPO")
     if args.mini_batches > args.prompts_per_step:
         raise ValueError(f"--mini-batches {args.mini_batches} is more than --prompts-per-step "
                          f"{args.prompts_per_step} (rollouts per step)")
@@ -299,9 +324,9 @@ def train(args) -> dict:
         if args.save and ((step + 1) % args.save_interval == 0 or step + 1 == args.steps):
             trainer.save(args.save, step + 1)
     if args.out:
-        save_hf(trainer.policy, trainer.cfg, tok_dir, args.out, args.tp, args.overwrite)
+        save_hf(trainer.policy, trainer.cfg, tok_dir, args.out, args.tp, args.pp, args.overwrite)
     if args.critic_out:
-        save_hf(trainer.critic, trainer.critic_cfg, tok_dir, args.critic_out, args.tp, args.overwrite)
+        save_hf(trainer.critic, trainer.critic_cfg, tok_dir, args.critic_out, args.tp, args.pp, args.overwrite)
     history = trainer.history
     k = max(1, len(history) // 5)
     return {"steps": len(history), "resumed_at": first,

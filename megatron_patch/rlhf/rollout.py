@@ -1,13 +1,15 @@
 """What the online RL trainers (GRPO, PPO) share: sampling rollouts from the policy on megatron-core's
 inference engine (`megatron_patch.inference.generate`) and putting them in a training batch, per-token
-log-probabilities (and entropies) of a batch under a model at any TP, rule rewards (`--reward
-module:function`) checked to be finite numbers, a gradient-norm clip that is right under TP, and writing a
+log-probabilities (and entropies) of a batch under a model at any TP x PP (`megatron_patch.models.pipeline`
+runs the stages), rule rewards (`--reward module:function`) checked to be finite numbers, the optimizer step
+(tied embeddings shared across stages, a gradient-norm clip over all model-parallel ranks), and writing a
 trained model as an HF folder through the converter's writer."""
 
 from __future__ import annotations
 
 import importlib
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -86,15 +88,15 @@ class Rollouts:
 
 
 def rollout(policy, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_p: float,
-            seed: int, device) -> Rollouts:
+            seed: int, device, engine: str = "auto") -> Rollouts:
     """Sample one completion per prompt on the policy itself (all of them in one call of the inference
     engine, which keeps itself for the next call while its sizes fit) and batch them for training. Every
-    rank of the TP group calls this with the same arguments and gets the same rollouts."""
+    rank of the TP x PP group calls this with the same arguments and gets the same rollouts."""
     from megatron_patch.inference import generate
 
     policy.eval()
     sampled = generate(policy, tokenizer, prompts, max_new_tokens, temperature, 0, top_p, seed=seed,
-                       max_batch_size=len(prompts), stop_id=tokenizer.eod)
+                       max_batch_size=len(prompts), stop_id=tokenizer.eod, engine=engine)
     texts = [tokenizer.detokenize(c) for c in sampled]
     completions = with_end_token(sampled, max_new_tokens, tokenizer.eod)
     tokens, labels, mask = batch_of(prompts, completions, tokenizer.pad, device)
@@ -125,79 +127,70 @@ def vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
         return torch.log(z) + top.squeeze(-1) - expected
 
 
-def model_outputs(model, tokens: torch.Tensor) -> torch.Tensor:
-    """The model's output at every position, batch first: [rows, s, vocab / TP] logits of a causal LM, or
-    [rows, s, 1] values of a reward-model-shaped one (`megatron_patch.models.reward`)."""
-    from megatron_patch import patches
-
-    pos = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-    with patches.applied("cpu_cuda_calls"):
-        return model(tokens, pos, None)
-
-
-def token_logps(model, tokens: torch.Tensor, labels: torch.Tensor, entropy: bool = False):
-    """log p(label) per position [rows, s] (megatron's vocab-parallel cross entropy over this rank's slice
-    of the logits: the gradient flows at any TP); with `entropy`, (log-probs, per-position entropy)."""
+def logps_of(logits: torch.Tensor, labels: torch.Tensor, entropy: bool = False):
+    """log p(label) per position [rows, s] from this TP rank's slice of the logits (megatron's
+    vocab-parallel cross entropy: the gradient flows at any TP); with `entropy`, (log-probs, per-position
+    entropy)."""
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    logits = model_outputs(model, tokens)
     spread = vocab_parallel_entropy(logits) if entropy else None  # first: the cross entropy works in place
     logps = -vocab_parallel_cross_entropy(logits.float(), labels)
     return (logps, spread) if entropy else logps
 
 
-def clip_grad_norm(params, max_norm: float) -> float:
-    """Scale the gradients so that their global norm is at most `max_norm`; returns the norm before.
-    Under TP each rank holds a slice of the sharded weights and a copy of the replicated ones: the norm
-    counts every slice once and every copy once (as megatron's optimizer does), so all TP ranks scale
-    alike and their replicated weights stay equal."""
-    import torch.distributed as dist
-    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+def token_logps(model, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """log p(label) per position [rows, s] under `model`, without gradient, on every rank at any TP x PP."""
+    from megatron_patch.models import pipeline
 
-    params = [p for p in params if p.grad is not None]
-    if not params:
-        return 0.0
-    square = torch.zeros((), dtype=torch.float32, device=params[0].grad.device)
-    for p in params:
-        if param_is_not_tensor_parallel_duplicate(p):
-            square += p.grad.detach().float().pow(2).sum()
-    norm = float(_tp_all_reduce(square, dist.ReduceOp.SUM).sqrt())
-    scale = max_norm / (norm + 1e-6)
-    if scale < 1:
-        for p in params:
-            p.grad.detach().mul_(scale)
+    with torch.no_grad():
+        logits = pipeline.forward(model, tokens)
+        logps = logps_of(logits, labels) if logits is not None else None
+    return pipeline.from_last_stage(logps, tuple(tokens.shape), device=tokens.device)
+
+
+def optimizer_step(model, optimizer, max_norm: float) -> float:
+    """After a backward pass: the tied embedding's gradient shared by the first and last stages, the gradients
+    clipped to norm `max_norm` over all model-parallel ranks, the optimizer's step; returns the norm before
+    clipping."""
+    from megatron_patch.models import pipeline
+
+    pipeline.share_embedding_grads(model)
+    norm = pipeline.clip_grad_norm(model, max_norm)
+    optimizer.step()
     return norm
 
 
-def save_hf(model, cfg: dict, tokenizer_dir: str, out: str, tp: int, overwrite: bool = False) -> None:
-    """A trained model (policy, or a reward-model-shaped critic) as an HF folder: every TP rank's weights
-    gathered on rank 0, written by the converter's writer (atomically; NaN / Inf refused; config.json =
-    `cfg` stating the dtype)."""
+def save_hf(model, cfg: dict, tokenizer_dir: str, out: str, tp: int, pp: int = 1, overwrite: bool = False) -> None:
+    """A trained model (policy, or a reward-model-shaped critic) as an HF folder: every TP x PP rank's
+    weights gathered on rank 0, written by the converter's writer (atomically; NaN / Inf refused;
+    config.json = `cfg` stating the dtype)."""
     import torch.distributed as dist
 
     from megatron_patch.conversion.convert import save_hf_state
     from megatron_patch.conversion.engine import make_plan, megatron_to_hf
     from megatron_patch.models import Layout
+    from megatron_patch.models.parallel import current_rank
 
-    mine = {k: v.detach().cpu() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
-    states = [None] * tp
-    if tp > 1:
-        dist.all_gather_object(states, mine)  # TP ranks are the whole world here
+    rank = current_rank()
+    mine = ((rank.tp, rank.pp, 0), {k: v.detach().cpu() for k, v in model.state_dict().items()
+                                    if not k.endswith("_extra_state")})
+    states = [None] * (tp * pp)
+    if tp * pp > 1:
+        dist.all_gather_object(states, mine)  # the TP x PP ranks are the whole world here
     else:
         states = [mine]
     if dist.is_initialized() and dist.get_rank() != 0:
         return
-    hf = megatron_to_hf(make_plan(cfg, Layout(tp, 1), model.config.transformer_impl),
-                        {(t, 0, 0): sd for t, sd in enumerate(states)})
+    hf = megatron_to_hf(make_plan(cfg, Layout(tp, pp), model.config.transformer_impl), dict(states))
     save_hf_state(hf, cfg, out, side_dir=tokenizer_dir, overwrite=overwrite)
 
 
-def policy_and_reference(mcore_dir: str | None, hf_dir: str | None, tp: int, impl: str | None, dtype):
-    """(policy, frozen reference, hf_config): two copies of the starting model in this rank's TP slice."""
+def policy_and_reference(mcore_dir: str | None, hf_dir: str | None, tp: int, pp: int, impl: str | None, dtype):
+    """(policy, frozen reference, hf_config): two copies of the starting model in this rank's TP x PP slice."""
     from megatron_patch.inference import load_model
 
-    policy, cfg = load_model(mcore_dir, hf_dir, tp, 1, impl, dtype)
-    reference, _ = load_model(mcore_dir, hf_dir, tp, 1, impl, dtype)
+    policy, cfg = load_model(mcore_dir, hf_dir, tp, pp, impl, dtype)
+    reference, _ = load_model(mcore_dir, hf_dir, tp, pp, impl, dtype)
     for p in reference.parameters():
         p.requires_grad_(False)
     for p in policy.parameters():
@@ -205,20 +198,37 @@ def policy_and_reference(mcore_dir: str | None, hf_dir: str | None, tp: int, imp
     return policy, reference.eval(), cfg
 
 
-def check_finite(loss: torch.Tensor, step: int, what: str = "the loss") -> None:
+def check_finite(loss: torch.Tensor | float, step: int, what: str = "the loss") -> None:
     """A non-finite loss stops the run before the optimizer writes NaN into the weights."""
-    if not torch.isfinite(loss):
-        raise ValueError(f"step {step + 1}: {what} is {loss.item()} (non-finite); stopping before the model is "
+    value = float(loss)
+    if not math.isfinite(value):
+        raise ValueError(f"step {step + 1}: {what} is {value} (non-finite); stopping before the model is "
                          "corrupted (lower the learning rate or check the reward)")
+
+
+def check_layout(args, tool: str) -> None:
+    """One replica on TP x PP ranks (the whole world); no expert parallelism."""
+    import torch.distributed as dist
+
+    if args.ep != 1:
+        raise ValueError(f"{tool} runs its models on one TP x PP group: --ep must be 1 (expert parallelism is not "
+                         "supported yet)")
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    if world != args.tp * args.pp:
+        raise ValueError(f"{tool} runs one replica: start {args.tp * args.pp} process(es) for --tp {args.tp} x --pp "
+                         f"{args.pp} (found {world})")
 
 
 def add_rollout_args(parser, prompts_per_step: int, out_help: str) -> None:
     """The options GRPO and PPO share: the model, the prompts and how rollouts are sampled, the gradient clip,
     the seed and the HF export."""
     from megatron_patch.cli import positive_float, positive_int
-    from megatron_patch.inference import add_model_args
+    from megatron_patch.inference import ENGINES, add_model_args
 
     add_model_args(parser)
+    parser.add_argument("--engine", choices=ENGINES, default="auto",
+                        help="inference engine of the rollouts (auto: static at PP = 1, dynamic at PP > 1; "
+                             "samples are reproducible for the same engine)")
     parser.add_argument("--prompts", required=True, help="JSONL prompts (`prompt` text or chat `messages`)")
     parser.add_argument("--chat", action="store_true", help="render plain prompts with the chat template")
     parser.add_argument("--prompts-per-step", type=positive_int, default=prompts_per_step,

@@ -242,7 +242,7 @@ def test_workflow_sft_rm_ppo_export(cpu_megatron, family, tmp_path):
 
     from megatron_patch.conversion.verify import megatron_logits
     from megatron_patch.inference import load_model
-    from megatron_patch.rlhf.rollout import model_outputs
+    from megatron_patch.models import pipeline
     from tests.models import any_config
 
     config, out = tmp_path / "config.json", tmp_path / "example"
@@ -271,7 +271,7 @@ def test_workflow_sft_rm_ppo_export(cpu_megatron, family, tmp_path):
         theirs = critic.score(critic.base_model(ids).last_hidden_state)[..., 0]
         ours, cfg = load_model(None, str(out / "critic_hf"))
         assert cfg["architectures"][0].endswith("ForSequenceClassification") and cfg["num_labels"] == 1
-        torch.testing.assert_close(model_outputs(ours, ids)[..., 0], theirs, atol=1e-5, rtol=0)
+        torch.testing.assert_close(pipeline.forward(ours, ids)[..., 0], theirs, atol=1e-5, rtol=0)
         assert torch.allclose(critic(ids).logits[0, 0], theirs[0, -1], atol=1e-6)  # HF's score: the last value
     # PPO moved the policy away from the SFT model it started from
     from megatron_patch.conversion.hf_io import read_all
@@ -356,6 +356,11 @@ def test_each_stage_launcher_runs_its_entry_point(stage, entry, start):
         assert p.returncode == 0 and f"usage: python -m megatron_patch.{entry}" in p.stdout, p.stderr[-2000:]
         p = subprocess.run(["bash", script, "--prompts", "p.jsonl"], env=env, capture_output=True, text=True)
         assert p.returncode == 1 and "error: --model HF_DIR is required" in p.stderr
+        p = subprocess.run(["bash", script, "--model", "m", "--tp", "2", "--pp", "2", "--dry-run", "--steps", "3"],
+                           env=env, capture_output=True, text=True)
+        assert p.returncode == 0 and p.stdout.split() == [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4", "-m",
+            f"megatron_patch.{entry}", "--hf-dir", "m", "--tp", "2", "--pp", "2", "--steps", "3"], p.stdout
         return
     p = subprocess.run(["bash", script, "--model", str(start / "hf"), "--data", str(start / "prompts.jsonl"), "--cpu",
                         "--dry-run"], env=env, capture_output=True, text=True, timeout=300)
