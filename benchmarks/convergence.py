@@ -26,7 +26,6 @@ import argparse
 import hashlib
 import json
 import os
-import re
 import subprocess
 import sys
 import sysconfig
@@ -59,10 +58,8 @@ RUNS: dict[str, tuple[str, list[str]]] = {
 }
 SEQ, MBS, GBS = 2048, 8, 32  # 65,536 tokens per iteration
 
-ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|(.*)")
 FIELDS = {"lm loss": "loss", "elapsed time per iteration (ms)": "ms", "throughput per GPU (TFLOP/s/GPU)": "tflops",
           "consumed samples": "samples", "grad norm": "grad_norm", "learning rate": "lr"}
-VALIDATION = re.compile(r"validation loss at iteration (\d+).*?\| lm loss value: ([0-9.E+-]+)")
 
 
 # ---- corpus ---------------------------------------------------------------------------------------------
@@ -174,23 +171,13 @@ def train_command(out: str, run: str, tokens: int, gpus: int, tokenizer: str, vo
 
 
 def parse_log(text: str) -> dict:
-    """Megatron's printed log -> {"iterations": {i: {loss, ms, tflops, samples, ...}}, "held_out": {i: loss}}.
-    A run continued across calls logs some iterations twice (those after its last save): the later wins."""
-    iterations: dict[int, dict] = {}
-    for it, rest in ITERATION.findall(text):
-        row = {}
-        for part in rest.split("|"):
-            name, _, value = part.partition(":")
-            key = FIELDS.get(name.strip())
-            if key:
-                try:
-                    row[key] = float(value)
-                except ValueError:
-                    pass
-        if "loss" in row:
-            iterations[int(it)] = row
-    held_out = {int(it): float(v) for it, v in VALIDATION.findall(text)}
-    return {"iterations": iterations, "held_out": held_out}
+    """Megatron's printed log -> {"iterations": {i: {loss, ms, tflops, samples, ...}}, "held_out": {i: loss}}
+    (`megatron_patch.training.log.parse_log`, fields renamed by FIELDS; iterations that logged a loss)."""
+    from megatron_patch.training.log import parse_log as parse
+
+    log = parse(text)
+    rows = {i: {FIELDS[k]: v for k, v in row.items() if k in FIELDS} for i, row in log.iterations.items()}
+    return {"iterations": {i: r for i, r in rows.items() if "loss" in r}, "held_out": log.held_out}
 
 
 def write_run(out: str, run: str, log_text: str) -> dict:

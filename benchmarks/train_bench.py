@@ -32,7 +32,6 @@ import datetime
 import importlib.metadata
 import json
 import os
-import re
 import shlex
 import subprocess
 import sys
@@ -174,17 +173,18 @@ def ours(shape: str, run: str, iters: int, micro_batches: int, gpus: int, tmp: s
 def run_pretrain(cmd: list[str], env: dict[str, str]) -> dict:
     """Run one pretrain command; from its log: the median step time of the second half of the iterations,
     peak memory, the global batch and every iteration's loss (or the error)."""
+    from megatron_patch.training.log import parse_log
+
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     text = p.stdout + p.stderr
-    ms = [float(x) for x in re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+)", text)]
-    mem = [float(x) for x in re.findall(r"max allocated: ([0-9.]+)", text)]
-    batch = [int(x) for x in re.findall(r"global batch size:\s+(\d+)", text)]
+    log = parse_log(text)
+    ms = log.series("elapsed time per iteration (ms)")
     if p.returncode or len(ms) < 4:
         return {"error": text[-2000:]}
-    half = sorted(ms[len(ms) // 2:])
-    losses = [float(x) for x in re.findall(r"lm loss: ([0-9.E+-]+)", text)]
-    return {"s_per_iter": half[len(half) // 2] / 1000, "peak_gb": max(mem) / 1024 if mem else None,
-            "samples": batch[-1] if batch else None, "losses": losses}
+    batch = list(log.series("global batch size").values())
+    return {"s_per_iter": log.median("elapsed time per iteration (ms)", 0.5) / 1000,
+            "peak_gb": max(log.max_allocated_mb) / 1024 if log.max_allocated_mb else None,
+            "samples": int(batch[-1]) if batch else None, "losses": list(log.series("lm loss").values())}
 
 
 def hf(shape: str, variant: str, iters: int, micro_batches: int) -> dict:

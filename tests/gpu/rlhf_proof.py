@@ -10,7 +10,6 @@ Run: python tests/gpu/rlhf_proof.py OUT_DIR   (tests/gpu/test_rlhf_proof.py does
 
 import json
 import os
-import re
 import subprocess
 import sys
 
@@ -19,18 +18,12 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
+from megatron_patch.training.log import parse_log  # noqa: E402
 from tests.gpu.train_proof import MODEL  # noqa: E402
-
-METRIC = re.compile(r"iteration\s+(\d+)/\s*\d+ \|(.*)")
 
 
 def logged(text: str, key: str) -> dict[int, float]:
-    out = {}
-    for it, rest in METRIC.findall(text):
-        m = re.search(rf"\| {re.escape(key)}: ([0-9.E+-]+)", "|" + rest)
-        if m:
-            out[int(it)] = float(m.group(1))
-    return out
+    return parse_log(text).series(key)
 
 
 def megatron_run(out: str, name: str, entry: str, hf_dir: str, data: str, iters: int, *extra: str) -> dict:
@@ -48,8 +41,7 @@ def megatron_run(out: str, name: str, entry: str, hf_dir: str, data: str, iters:
     with open(os.path.join(out, f"{name}.log"), "w") as log:
         p = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     text = open(os.path.join(out, f"{name}.log")).read()
-    times = [float(t) for t in re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+)", text)]
-    return {"rc": p.returncode, "text": text, "ms_per_iter": sorted(times)[len(times) // 2] if times else None}
+    return {"rc": p.returncode, "text": text, "ms_per_iter": parse_log(text).median("elapsed time per iteration (ms)")}
 
 
 def mean(d: dict[int, float], its) -> float | None:

@@ -13,7 +13,6 @@ import argparse
 import gzip
 import json
 import os
-import re
 import subprocess
 import sys
 
@@ -22,7 +21,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)")
+from megatron_patch.training.log import parse_log  # noqa: E402
+
 MODEL = {  # LLaMA shape, ~125M parameters with a 1000-token vocabulary
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 1000, "hidden_size": 768,
     "intermediate_size": 2560, "num_hidden_layers": 16, "num_attention_heads": 12, "num_key_value_heads": 4,
@@ -65,10 +65,9 @@ def train(out: str, name: str, nproc: int, data: str, model: list[str], iters: i
     with open(os.path.join(out, f"{name}.log"), "w") as log:
         p = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     text = open(os.path.join(out, f"{name}.log")).read()
-    losses = {int(i): float(v) for i, v in LOSS.findall(text)}
-    times = [float(t) for t in re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+)", text)]
-    return {"rc": p.returncode, "losses": losses, "ms_per_iter": sorted(times)[len(times) // 2] if times else None,
-            "tail": text[-3000:] if p.returncode else ""}
+    log = parse_log(text)
+    return {"rc": p.returncode, "losses": log.series("lm loss"),
+            "ms_per_iter": log.median("elapsed time per iteration (ms)"), "tail": text[-3000:] if p.returncode else ""}
 
 
 def compare(a: dict, b: dict, iters) -> float | None:

@@ -184,3 +184,18 @@ def test_stage_wheels_without_names_is_one_error_line(tmp_path):
     p = subprocess.run(["bash", "benchmarks/stage_wheels.sh"], capture_output=True, text=True, cwd=tmp_path)
     assert p.returncode == 1 and p.stderr.startswith("error: ") and p.stderr.count("\n") == 1, p.stderr
     assert os.listdir(tmp_path) == ["benchmarks"]
+
+
+def test_run_pretrain_reads_the_log_with_the_shared_parser():
+    """train_bench.run_pretrain: the median step time of the second half of the iterations, the peak memory
+    report, the global batch and every loss, from Megatron's printed log (megatron_patch.training.log)."""
+    import train_bench as tb
+
+    lines = [f" [t] iteration {i}/ 6 | elapsed time per iteration (ms): {ms} | global batch size: 8 | "
+             f"lm loss: {10 - i}.0 |" for i, ms in enumerate([900, 800, 520, 500, 510, 530], 1)]
+    lines.append("[Rank 0] memory (MB) | allocated: 1.0 | max allocated: 61440.00 | reserved: 2.0")
+    cmd = [sys.executable, "-c", f"print({chr(10).join(lines)!r})"]
+    row = tb.run_pretrain(cmd, dict(os.environ))
+    assert row == {"s_per_iter": 0.51, "peak_gb": 60.0, "samples": 8, "losses": [9.0, 8.0, 7.0, 6.0, 5.0, 4.0]}
+    assert "error" in tb.run_pretrain([sys.executable, "-c", "print(' iteration 1/ 2 | lm loss: 1.0 |')"],
+                                      dict(os.environ))

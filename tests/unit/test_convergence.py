@@ -110,3 +110,21 @@ def test_runs_use_the_same_seed_data_and_schedule(conv, tmp_path):
     assert fp8[fp8.index("--exit-interval") + 1] == str(10_000_000 // (2048 * 32))
     cfg = json.load(open(tmp_path / "runs" / "bf16.config.json"))
     assert cfg["hidden_size"] == 1024 and cfg["tie_word_embeddings"] is True
+
+
+def test_one_parser_reads_every_field_and_the_memory_reports():
+    """megatron_patch.training.log: every numeric field of an iteration line by Megatron's name (also an entry
+    point's own, e.g. the reward model's accuracy), medians past warm-up, and the memory reports' peaks."""
+    from megatron_patch.training.log import parse_log
+
+    text = LOG + (" [2026-12-01 10:00:03] iteration        3/      20 | elapsed time per iteration (ms): 510.0 | "
+                  "lm loss: 9.800000E+00 | reward accuracy: 0.75 | number of skipped iterations:   0 |\n"
+                  "[Rank 0] (after 3 iterations) memory (MB) | allocated: 100.5 | max allocated: 2048.25 | "
+                  "reserved: 3000.0\n")
+    log = parse_log(text)
+    assert log.series("lm loss") == {1: 11.0, 2: 9.9, 3: 9.8}  # iteration 2 logged twice: the later line
+    assert log.series("reward accuracy") == {3: 0.75}
+    assert log.series("global batch size") == {1: 32.0, 2: 32.0}
+    assert log.median("elapsed time per iteration (ms)") == 520.0
+    assert log.median("elapsed time per iteration (ms)", 0.5) == 520.0  # of iterations 2 and 3: 520, 510
+    assert log.held_out == {2: 9.5} and log.max_allocated_mb == [2048.25]
