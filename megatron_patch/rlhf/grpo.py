@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
 import sys
 import time
 
@@ -71,6 +70,7 @@ def train(args) -> dict:
         load_reward,
         optimizer_step,
         policy_and_reference,
+        reward_summary,
         rewards_of,
         rollout,
         save_hf,
@@ -123,10 +123,8 @@ def train(args) -> dict:
             print(json.dumps(row), file=sys.stderr, flush=True)
     if args.out:
         save_hf(policy, cfg, tok_dir, args.out, args.tp, args.pp, args.overwrite)
-    k = max(1, len(history) // 5)
-    return {"steps": len(history), "reward_first": round(statistics.mean(r["reward"] for r in history[:k]), 4),
-            "reward_last": round(statistics.mean(r["reward"] for r in history[-k:]), 4),
-            "seconds": round(time.time() - start, 1), "out": args.out, "history": history}
+    return {"steps": len(history), **reward_summary(history), "seconds": round(time.time() - start, 1),
+            "out": args.out, "history": history}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -311,7 +311,7 @@ def setup(args) -> tuple[Trainer, str]:
 
 def train(args) -> dict:
     from megatron_patch.cli import is_first_rank
-    from megatron_patch.rlhf.rollout import save_hf
+    from megatron_patch.rlhf.rollout import reward_summary, save_hf
 
     trainer, tok_dir = setup(args)
     first = trainer.load(args.load) if args.load else 0
@@ -328,10 +328,7 @@ def train(args) -> dict:
     if args.critic_out:
         save_hf(trainer.critic, trainer.critic_cfg, tok_dir, args.critic_out, args.tp, args.pp, args.overwrite)
     history = trainer.history
-    k = max(1, len(history) // 5)
-    return {"steps": len(history), "resumed_at": first,
-            "reward_first": round(statistics.mean(r["reward"] for r in history[:k]), 4) if history else None,
-            "reward_last": round(statistics.mean(r["reward"] for r in history[-k:]), 4) if history else None,
+    return {"steps": len(history), "resumed_at": first, **reward_summary(history),
             "kl_max": round(max(r["kl"] for r in history), 4) if history else None,
             "seconds": round(time.time() - start, 1), "out": args.out, "critic_out": args.critic_out,
             "history": history}

@@ -219,6 +219,15 @@ def check_layout(args, tool: str) -> None:
                          f"{args.pp} (found {world})")
 
 
+def reward_summary(history: list[dict]) -> dict:
+    """The mean reward over the first and the last fifth of a run's steps (None for a run of no step)."""
+    import statistics
+
+    k = max(1, len(history) // 5)
+    return {"reward_first": round(statistics.mean(r["reward"] for r in history[:k]), 4) if history else None,
+            "reward_last": round(statistics.mean(r["reward"] for r in history[-k:]), 4) if history else None}
+
+
 def add_rollout_args(parser, prompts_per_step: int, out_help: str) -> None:
     """The options GRPO and PPO share: the model, the prompts and how rollouts are sampled, the gradient clip,
     the seed and the HF export."""
