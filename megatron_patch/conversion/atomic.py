@@ -52,13 +52,16 @@ def _location_problem(out: str) -> str | None:
 
 def check_output(out: str, overwrite: bool = False, sources: Iterable[str | None] = ()) -> str:
     """Refuse, before any work, an output folder that cannot or must not be written: it exists (without
-    `overwrite`), it is an input or holds one (replacing it would delete the input), or its parent is
-    missing, a file, or not writable. Returns the absolute path."""
+    `overwrite`), it is an input, holds one (replacing it would delete the input) or is an existing part of
+    one (e.g. a checkpoint's hf/ folder), or its parent is missing, a file, or not writable. Returns the absolute path."""
     out = os.path.abspath(out)
     for src in sources:
         if src and os.path.exists(src) and _inside(src, out):
             what = "is" if os.path.realpath(src) == os.path.realpath(out) else "holds"
             raise ValueError(f"the output {out} {what} the input {src}: writing it would destroy the input; "
+                             "choose another --out")
+        if src and os.path.isdir(src) and os.path.lexists(out) and _inside(out, src):
+            raise ValueError(f"the output {out} is part of the input {src}: replacing it would change the input; "
                              "choose another --out")
     if os.path.lexists(out) and not overwrite:
         raise FileExistsError(f"output {out} already exists (pass --overwrite to replace it)")

@@ -266,7 +266,8 @@ def test_stale_partial_output_of_a_killed_run_is_removed_next_time(hf_dir, tmp_p
 
 
 def test_out_equal_to_or_holding_the_source_is_refused(hf_dir, tmp_path, capsys):
-    """`--overwrite` with --out = the source (or a folder holding it) would delete the input."""
+    """`--overwrite` with --out = the source (or a folder holding it, or an existing folder inside it) would
+    delete or change the input."""
     src = _copy(hf_dir, tmp_path / "hf")
     before = sorted(os.listdir(src))
     for out in (src, src + "/", str(tmp_path)):
@@ -277,6 +278,10 @@ def test_out_equal_to_or_holding_the_source_is_refused(hf_dir, tmp_path, capsys)
     for command in ("mcore-to-hf", "mcore-to-mcore"):
         assert main([command, "--mcore-dir", mc, "--out", mc, "--overwrite"]) == 1
         assert "would destroy the input" in capsys.readouterr().err
+    side = sorted(os.listdir(os.path.join(mc, "hf")))
+    assert main(["mcore-to-hf", "--mcore-dir", mc, "--out", os.path.join(mc, "hf"), "--overwrite"]) == 1
+    assert "is part of the input" in capsys.readouterr().err  # the checkpoint's own hf/ side folder
+    assert sorted(os.listdir(os.path.join(mc, "hf"))) == side
     assert sorted(os.listdir(src)) == before and os.path.isfile(os.path.join(mc, "megatron_patch.json"))
 
 
