@@ -98,3 +98,33 @@ def test_completions_that_stopped_are_trained_with_their_end_token():
     tokens, labels, mask = batch_of([[1, 2], [3]], completions, pad=99, device="cpu")
     # the end token is a trained label of the first row (position 3 predicts it)
     assert labels[0, 3] == 0 and mask[0, 3] == 1 and mask[0].sum() == 3 and mask[1].sum() == 3
+
+
+def test_non_finite_loss_stops_before_the_step_and_writes_nothing(cpu_megatron, tiny_lm, prompts, tmp_path,
+                                                                 monkeypatch, capsys):
+    """A loss that is not finite (a diverged run) stops GRPO before the optimizer writes NaN into the weights
+    (`rollout.check_finite`); the policy is not exported."""
+    from megatron_patch.rlhf import grpo
+
+    real = grpo.grpo_loss
+    monkeypatch.setattr(grpo, "grpo_loss", lambda *a, **k: (real(*a, **k)[0] * math.nan, 0.0))
+    out = tmp_path / "policy"
+    assert _grpo(tiny_lm, prompts, "constant_reward", "--out", str(out)) == 1
+    err = capsys.readouterr().err
+    assert "error: step 1: the loss is nan (non-finite); stopping before the model is corrupted" in err, err
+    assert not out.exists()
+
+
+def test_export_with_non_finite_weights_is_refused(cpu_megatron, tiny_lm, tmp_path):
+    """The online trainers' HF export (`rollout.save_hf`, the converter's writer) refuses weights with NaN /
+    Inf, naming the tensor, and leaves no folder."""
+    from megatron_patch.inference import load_model
+    from megatron_patch.rlhf.rollout import save_hf
+
+    model, cfg = load_model(None, tiny_lm)
+    with torch.no_grad():
+        model.decoder.layers[1].mlp.linear_fc2.weight[0, 0] = math.inf
+    out = tmp_path / "policy"
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.down_proj\.weight.*(Inf|inf|non-finite)"):
+        save_hf(model, cfg, tiny_lm, str(out), 1)
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if ".partial-" in p.name]
