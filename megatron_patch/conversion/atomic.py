@@ -53,7 +53,8 @@ def _location_problem(out: str) -> str | None:
 def check_output(out: str, overwrite: bool = False, sources: Iterable[str | None] = ()) -> str:
     """Refuse, before any work, an output folder that cannot or must not be written: it exists (without
     `overwrite`), it is an input, holds one (replacing it would delete the input) or is an existing part of
-    one (e.g. a checkpoint's hf/ folder), or its parent is missing, a file, or not writable. Returns the absolute path."""
+    one (e.g. a checkpoint's hf/ folder), or its parent is missing, a file, or not writable. Returns the
+    absolute path."""
     out = os.path.abspath(out)
     for src in sources:
         if src and os.path.exists(src) and _inside(src, out):

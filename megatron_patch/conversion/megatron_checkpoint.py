@@ -35,7 +35,7 @@ from megatron_patch.conversion.mcore_io import (
     flat_plan,
     read_manifest,
 )
-from megatron_patch.conversion.torch_dist import TorchDistReader, torch_dist_info
+from megatron_patch.conversion.torch_dist import TorchDistReader, is_hybrid_checkpoint, torch_dist_info
 from megatron_patch.models.build import build_model
 from megatron_patch.models.family import Layout
 from megatron_patch.models.parallel import Rank, ensure_model_parallel
@@ -166,22 +166,24 @@ class MegatronCheckpoint:
 def load_megatron_model(ckpt_dir: str, *, layout: Layout = Layout(), impl: str | None = None,
                         dtype: torch.dtype = torch.float32, hf_config: str | None = None):
     """Build this rank's `GPTModel` for a Megatron checkpoint and load its weights: torch_dist the
-    way `megatron.training` does (through the model's sharded state dict, any layout); legacy
-    through the engine (any layout). `layout`'s TP / PP / EP are this run's (its vocab padding rule is
-    ignored: the checkpoint's embedding size wins). Returns (model, hf_config)."""
+    way `megatron.training` does (through the model's sharded state dict, any layout); legacy, and
+    torch_dist saved by a HybridModel run (`--model-class hybrid`), through the engine (any layout).
+    `layout`'s TP / PP / EP are this run's (its vocab padding rule is ignored: the checkpoint's embedding
+    size wins). Returns (model, hf_config)."""
     from megatron.core import dist_checkpointing
 
     ckpt = MegatronCheckpoint.open(ckpt_dir, hf_config)
     impl = impl or ckpt.impl
     tp, pp, ep = layout.tp, layout.pp, layout.ep
     ensure_model_parallel(tp, pp, ep)
-    # torch_dist is loaded as stored (its kv-head replication included); legacy goes through HF tensors
-    # (multi-latent attention has no query groups to keep)
+    # torch_dist is loaded as stored (its kv-head replication included); legacy and HybridModel checkpoints go
+    # through HF tensors (multi-latent attention has no query groups to keep)
+    hybrid = ckpt.format == "torch_dist" and is_hybrid_checkpoint(ckpt.step_dir)
     groups = ({"num_query_groups": ckpt.num_query_groups}
-              if ckpt.format == "torch_dist" and ckpt.num_query_groups is not None else {})
+              if ckpt.format == "torch_dist" and not hybrid and ckpt.num_query_groups is not None else {})
     model = build_model(ckpt.hf_config, tp, pp, impl=impl, dtype=dtype,
                         padded_vocab_size=ckpt.padded_vocab_size, perform_initialization=False, ep=ep, **groups)
-    if ckpt.format == "torch_dist":
+    if ckpt.format == "torch_dist" and not hybrid:
         # both implementations key their tensors alike; a Transformer Engine model also asks for the
         # `_extra_state` objects of norms it keeps apart, which a checkpoint converted for `local` may lack
         try:
@@ -193,7 +195,7 @@ def load_megatron_model(ckpt_dir: str, *, layout: Layout = Layout(), impl: str |
                              f"{impl} ({type(e).__name__}); convert it: toolkits.checkpoint_converter mcore-to-mcore "
                              f"--impl {impl}") from e
         model.load_state_dict(loaded, strict=True)
-    else:
+    else:  # legacy, or saved by a HybridModel run: through the HF tensors (the reader maps hybrid layers)
         hf = {k: v for chunk in ckpt.hf_chunks() for k, v in chunk.items()}
         plan = make_plan(ckpt.hf_config, Layout(tp, pp, ckpt.layout.make_vocab_size_divisible_by, ep), impl,
                          padded_vocab_size=ckpt.padded_vocab_size)

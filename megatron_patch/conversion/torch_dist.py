@@ -42,6 +42,8 @@ from megatron_patch.conversion.manifest import TensorLog
 from megatron_patch.conversion.mcore_io import checkpoint_args, expected_shapes, flat_plan, meta_template, write_tracker
 
 WRITE_THREADS = 2
+STACKED_LAYERS = "decoder.layers."
+HYBRID_FINAL_NORM = "decoder.final_norm."  # HybridModel's final norm (GPTModel's: decoder.final_layernorm)
 
 
 def _with_te_extra_states(plan: Plan, sharded: dict) -> dict:
@@ -214,6 +216,26 @@ def torch_dist_info(step_dir: str) -> tuple[torch.dtype, int, Namespace | None, 
     return md.properties.dtype, int(md.size[0]), common.get("args"), qkv_rows
 
 
+def is_hybrid_checkpoint(step_dir: str) -> bool:
+    """Whether a torch_dist checkpoint was saved by a HybridModel (`--model-class hybrid`: every sublayer
+    its own layer, `decoder.final_norm`) rather than a GPTModel (`decoder.final_layernorm`)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return any(k.startswith(HYBRID_FINAL_NORM) for k in FileSystemReader(step_dir).read_metadata().state_dict_metadata)
+
+
+def _hybrid_storage(key: str, offsets: tuple[int, ...], prepend: int) -> tuple[str, tuple[int, ...], int]:
+    """Where a GPT model's checkpoint tensor (`key`, its global offsets and number of prepended axes) lies in
+    a HybridModel's checkpoint: layers stacked under one key (the dense GPT form) are unstacked (the first
+    offset is the GPT layer), then renamed to the hybrid layer holding that sublayer (`hybrid.hybrid_name`)."""
+    from megatron_patch.models.hybrid import hybrid_name  # megatron-core >= 0.19, as the checkpoint's writer
+
+    if key.startswith(STACKED_LAYERS) and not re.match(r"decoder\.layers\.\d+\.", key):
+        key = f"{STACKED_LAYERS}{offsets[0]}.{key[len(STACKED_LAYERS):]}"
+        offsets, prepend = offsets[1:], prepend - 1
+    return hybrid_name(key), offsets, prepend
+
+
 class _ChunkLoadPlanner(DefaultLoadPlanner):
     """Reads chosen chunks of a torch_dist checkpoint into given tensors (one layer at a time).
     megatron-core's own loader wants every fragment of a layer-stacked tensor in one call when the
@@ -256,6 +278,7 @@ class TorchDistReader:
         self.dtype = torch_dist_info(step_dir)[0]
         self.sharded = meta_template(flat, self.dtype)
         self._reader = dcp.FileSystemReader(step_dir)
+        self.hybrid = is_hybrid_checkpoint(step_dir)
 
     def layer_groups(self) -> list[list[str]]:
         """Parameter names grouped by transformer layer (non-layer tensors alone)."""
@@ -277,7 +300,9 @@ class TorchDistReader:
                       if isinstance(entry, ShardedTensorFactory)
                       else [dataclasses.replace(entry, data=tensors[n], dtype=self.dtype)])
             for sh in pieces:  # views of tensors[n]: reading a piece fills its part of the tensor
-                view = sh.data.view((1,) * sh.prepend_axis_num + tuple(sh.local_shape))
-                requests.append((sh.key, tuple(sh.global_offset), view))
+                key, offsets, prepend = sh.key, tuple(sh.global_offset), sh.prepend_axis_num
+                if self.hybrid:
+                    key, offsets, prepend = _hybrid_storage(key, offsets, prepend)
+                requests.append((key, offsets, sh.data.view((1,) * prepend + tuple(sh.local_shape))))
         dcp.load({}, storage_reader=self._reader, planner=_ChunkLoadPlanner(requests), no_dist=True)
         return tensors

@@ -265,9 +265,6 @@ def apply_model_class(args: argparse.Namespace, hf_config: Any) -> None:
                                                                **hybrid.config_overrides(hf_config)))
         pattern = hybrid.layer_pattern(hf_config)
         args.num_layers, args.hybrid_layer_pattern = len(pattern), pattern
-        if getattr(args, "save_hf", None):
-            raise ValueError("--save-hf with --model-class hybrid: a HybridModel run saves HybridModel checkpoints, "
-                             "which the HF export does not read yet (docs/hybrid.md)")
     if given not in (None, pattern):
         raise ValueError(f"--hybrid-layer-pattern {given}: the pattern comes from the HF config with "
                          f"--model-class hybrid ({pattern or 'not given'})")

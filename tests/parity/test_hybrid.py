@@ -4,14 +4,17 @@
   same numbers as the family's GPTModel; the others (Falcon's parallel attention + MLP) are refused, saying why;
 - our converter's torch_dist checkpoint (GPT format) loads into a HybridModel: through megatron-core's
   GPT -> Hybrid interop for the dense families, through `hybrid.load_torch_dist` for the mixture-of-experts
-  ones; every parameter bitwise equal to the GPTModel's, logits vs transformers <= 1e-5;
+  ones; every parameter bitwise equal to the GPTModel's, logits vs transformers <= 1e-5; saved back as a
+  HybridModel run saves it, it exports (mcore-to-hf) to the HF weights it came from, bitwise;
 - megatron.training's own `load_checkpoint` (a HybridModel run's `--load`) reads it, at another layout;
 - a HybridModel over two pipeline stages loads HF weights per stage and matches transformers;
-- a `python -m megatron_patch.pretrain --model-class hybrid` run from an HF checkpoint has the GPT run's losses.
+- a `python -m megatron_patch.pretrain --model-class hybrid` run from an HF checkpoint has the GPT run's losses,
+  its `--save-hf` export equals the GPT run's, and its checkpoint loads for generation (logits = transformers').
 """
 
 import argparse
 import os
+import shutil
 import sys
 
 import pytest
@@ -130,6 +133,25 @@ def test_converted_checkpoint_loads_into_hybrid(cpu_megatron, tmp_path, variant)
     diff = (_logits(model, c) - _reference(c)).abs().max().item()
     assert diff <= 1e-5, f"{variant}: max abs logit diff {diff}"
 
+    # and back: the HybridModel saved as a HybridModel run saves it (a layer per sublayer, decoder.final_norm)
+    # exports to the HF weights it came from, bitwise
+    from megatron.core import dist_checkpointing
+
+    from megatron_patch.conversion.hf_io import read_all
+    from megatron_patch.conversion.torch_dist import is_hybrid_checkpoint
+    from toolkits.checkpoint_converter.__main__ import main
+
+    common = compat.load_torch_dist_common(ckpt.step_dir)
+    shutil.rmtree(ckpt.step_dir)
+    os.makedirs(ckpt.step_dir)
+    with patches.applied("cpu_cuda_calls"):
+        dist_checkpointing.save({"model": model.sharded_state_dict(), **common}, ckpt.step_dir)
+    assert is_hybrid_checkpoint(ckpt.step_dir)
+    back = str(tmp_path / "back")
+    assert main(["mcore-to-hf", "--mcore-dir", ckpt.path, "--out", back]) == 0
+    x, y = read_all(str(tmp_path / "hf")), read_all(back)
+    assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x), variant
+
 
 def test_megatron_training_loads_converted_checkpoint_into_hybrid(cpu_megatron, tmp_path, monkeypatch):
     """megatron.training's `load_checkpoint`, strict, as a HybridModel run does on `--load`: a checkpoint
@@ -165,7 +187,7 @@ def test_megatron_training_loads_converted_checkpoint_into_hybrid(cpu_megatron, 
     assert diff <= 1e-5, diff
 
 
-def test_model_class_option(tmp_path):
+def test_model_class_option(cpu_megatron, tmp_path):
     """`--model-class hybrid` sets megatron's pattern from the family and refuses what does not map."""
     from megatron_patch.training.arguments import apply_model_class
     from tests.models import family_config, llama_config
@@ -179,9 +201,6 @@ def test_model_class_option(tmp_path):
     args = argparse.Namespace(model_class="hybrid", hybrid_layer_pattern=None, num_layers=4)
     with pytest.raises(UnsupportedConfig, match="falcon has no HybridModel form"):
         apply_model_class(args, family_config("falcon_7b"))
-    args = argparse.Namespace(model_class="hybrid", hybrid_layer_pattern=None, num_layers=4, save_hf="out")
-    with pytest.raises(ValueError, match="--save-hf with --model-class hybrid"):
-        apply_model_class(args, llama_config())
 
 
 def test_megatron_core_without_hybrid_model_is_refused(monkeypatch):
@@ -212,7 +231,10 @@ def _pretrain(rank: int, argv: list[str]) -> list[dict]:
 def test_pretrain_hybrid_matches_gpt(tmp_path):
     """The same run as GPTModel and as HybridModel, from the same HF checkpoint: the same losses."""
     from megatron.core.dist_checkpointing import load_common_state_dict
+    from transformers import AutoModelForCausalLM
 
+    from megatron_patch.conversion.hf_io import read_all
+    from megatron_patch.conversion.megatron_checkpoint import load_megatron_model
     from tests import _cpu
     from tests.helpers import corpus_dataset, pretrain_argv, tiny_lm_folder
 
@@ -223,9 +245,21 @@ def test_pretrain_hybrid_matches_gpt(tmp_path):
     for model_class in ("gpt", "hybrid"):
         save = str(tmp_path / model_class / "ckpt")
         argv = pretrain_argv(data, save, "--train-iters", "4", "--save-interval", "4", "--make-vocab-size-divisible-by",
-                             "4", "--model-class", model_class, model=("--load-hf", hf))
+                             "4", "--model-class", model_class, "--save-hf", str(tmp_path / model_class / "hf"),
+                             model=("--load-hf", hf))
         runs[model_class] = [step["lm loss"] for step in _cpu.run_world(1, _pretrain, argv)[0]]
     assert len(runs["gpt"]) == 4
     assert max(abs(a - b) for a, b in zip(runs["gpt"], runs["hybrid"])) <= 1e-5, runs
     saved = load_common_state_dict(str(tmp_path / "hybrid" / "ckpt" / "iter_0000004"))["args"]
     assert saved.hybrid_layer_pattern == "*-" * 4 and saved.num_layers == 8
+    # the HybridModel run's checkpoint exports to HF (--save-hf) like the GPT run's: the same weights after the
+    # same training, and it loads for generation / verify as a GPTModel (per-sublayer layers mapped back)
+    gpt, hybrid = read_all(str(tmp_path / "gpt" / "hf")), read_all(str(tmp_path / "hybrid" / "hf"))
+    assert gpt.keys() == hybrid.keys() and not torch.equal(gpt["lm_head.weight"], read_all(hf)["lm_head.weight"])
+    assert max((gpt[k] - hybrid[k]).abs().max().item() for k in gpt) <= 1e-5
+    ids = torch.tensor([[5, 17, 230, 41, 99, 3, 250, 8]])
+    logits = {c: megatron_logits(load_megatron_model(str(tmp_path / c / "ckpt"))[0], ids, 1000) for c in runs}
+    reference = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hybrid" / "hf")).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(logits["hybrid"], reference(ids).logits, atol=1e-5, rtol=0)
+    torch.testing.assert_close(logits["hybrid"], logits["gpt"], atol=1e-4, rtol=0)
