@@ -84,3 +84,15 @@ def tiny_lm_folder(path: str, variant: str = "gqa") -> str:
     save_hf(hf_model(llama_config(variant)), path)
     copy_side_files(TINY_TOKENIZER, path, ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"])
     return path
+
+
+def ppo_steps(rank: int, argv: list[str], steps: int = 2) -> list[tuple[dict, list]]:
+    """`steps` PPO steps on this rank (a `_cpu.run_world` worker): each step's metrics and the rollouts' tokens."""
+    from megatron_patch.rlhf.ppo import parser, setup
+
+    trainer, _ = setup(parser().parse_args(argv))
+    out = []
+    for step in range(steps):
+        row, rollouts = trainer.step(step)
+        out.append((row, rollouts.tokens.tolist()))
+    return out

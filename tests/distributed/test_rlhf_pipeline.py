@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests import _cpu
-from tests.helpers import tiny_lm_folder
+from tests.helpers import ppo_steps, tiny_lm_folder
 
 PROMPTS = ["The module", "A list of", "When the function", "def f(x):"]
 
@@ -42,17 +42,6 @@ def _ppo_argv(start, *extra) -> list[str]:
             "--critic-lr", "3e-3", *extra]
 
 
-def _ppo_two_steps(rank: int, argv: list[str]) -> list[tuple[dict, list]]:
-    from megatron_patch.rlhf.ppo import parser, setup
-
-    trainer, _ = setup(parser().parse_args(argv))
-    out = []
-    for step in range(2):
-        row, rollouts = trainer.step(step)
-        out.append((row, rollouts.tokens.tolist()))
-    return out
-
-
 def _same(one, other) -> None:
     for (row1, tokens1), (row2, tokens2) in zip(one, other, strict=True):
         assert tokens1 == tokens2  # the same rollouts, token for token (step 2: after an update)
@@ -73,9 +62,9 @@ def _close_weights(x: dict, y: dict) -> None:
 @pytest.mark.parametrize("tp,pp", [(1, 2), (2, 2)])
 def test_ppo_pipeline_equals_one_stage(cpu_megatron, start, tp, pp):
     argv = _ppo_argv(start)
-    one = _ppo_two_steps(0, argv)
+    one = ppo_steps(0, argv)
     assert one[1][0]["kl"] > 0 and one[1][0]["clip_frac"] > 0  # the second step ran on an updated policy
-    for rank in _cpu.run_world(tp * pp, _ppo_two_steps, argv + ["--tp", str(tp), "--pp", str(pp)]):
+    for rank in _cpu.run_world(tp * pp, ppo_steps, argv + ["--tp", str(tp), "--pp", str(pp)]):
         _same(one, rank)
 
 

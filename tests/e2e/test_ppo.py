@@ -26,7 +26,7 @@ import torch
 
 from megatron_patch.tokenizer import TINY_TOKENIZER, build_tokenizer
 from tests import _cpu
-from tests.helpers import tiny_lm_folder
+from tests.helpers import ppo_steps, tiny_lm_folder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOY_RISE = 1.0  # the toy reward's mean over the last 3 of 12 steps minus that over the first 3 (from about 3.7)
@@ -182,23 +182,11 @@ def test_toy_reward_rises_with_the_kl_bounded(cpu_megatron, start, capsys):
     assert all(0 <= r["clip_frac"] <= 1 and r["entropy"] > 0 and r["value_loss"] >= 0 for r in history)
 
 
-def _two_steps(rank: int, argv: list[str]) -> list[tuple[dict, list]]:
-    """Two PPO steps: each step's metrics and the rollouts it trained on."""
-    from megatron_patch.rlhf.ppo import parser, setup
-
-    trainer, _ = setup(parser().parse_args(argv))
-    out = []
-    for step in range(2):
-        row, rollouts = trainer.step(step)
-        out.append((row, rollouts.tokens.tolist()))
-    return out
-
-
 def test_tp2_rollouts_and_losses_equal_tp1(cpu_megatron, start):
     argv = _argv(start, "--prompts-per-step", "4", "--epochs", "2", "--mini-batches", "2", "--lr", "3e-3",
                  "--critic-lr", "3e-3")
-    one = _two_steps(0, argv)
-    for rank in _cpu.run_world(2, _two_steps, argv + ["--tp", "2"]):
+    one = ppo_steps(0, argv)
+    for rank in _cpu.run_world(2, ppo_steps, argv + ["--tp", "2"]):
         for (row1, tokens1), (row2, tokens2) in zip(one, rank, strict=True):
             assert tokens1 == tokens2  # the same rollouts, token for token (step 2: after an update)
             for k, v in row1.items():
