@@ -46,8 +46,10 @@ _QUIET_LOGS = (
     ("megatron.core.models.gpt.gpt_model", "GPTModel IS DEPRECATED"),
     ("torch.utils.cpp_extension", "No CUDA runtime"),
 )
+_MEGATRON_NOTICES = (r"Transformer Engine and Apex are not installed", r"Apex is not installed",
+                     r"full scope is deprecated")
 _QUIET_WARNINGS = (
-    (UserWarning, r""),  # restricted to megatron's modules below
+    (UserWarning, r""),  # narrowed to its messages below
     (FutureWarning, r".*ShardedTensor"),
     (FutureWarning, r".*`torch\.distributed\._shard"),
     (DeprecationWarning, r".*ShardedTensor"),
@@ -69,7 +71,10 @@ def quiet_third_party() -> None:
         log = logging.getLogger(name)
         if not any(isinstance(f, _DropMessages) and f.prefix == prefix for f in log.filters):
             log.addFilter(_DropMessages(prefix))
-    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+    # megatron-core's notices about optional kernels (Transformer Engine, Apex) absent on a CPU and a default
+    # of its own config; its other warnings stay visible
+    for message in _MEGATRON_NOTICES:
+        warnings.filterwarnings("ignore", category=UserWarning, message=message, module=r"megatron\.")
     # DCP's notices about loading without a process group and its changed argument order
     warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.distributed\.checkpoint")
     for category, message in _QUIET_WARNINGS[1:]:

@@ -32,3 +32,21 @@ def test_an_error_is_one_line_and_a_bug_keeps_its_traceback(capsys):
     assert capsys.readouterr().err.strip() == "error: config.json: hidden_size must be a positive integer, got 0"
     with pytest.raises(ZeroDivisionError):
         run(lambda: 1 / 0)
+
+
+def test_only_the_known_megatron_notices_are_silenced():
+    """The tools hide megatron-core's notices about optional kernels missing on a CPU (and a deprecated config
+    default); any other warning megatron-core gives stays visible."""
+    import warnings
+
+    from megatron_patch.cli import quiet_third_party
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_third_party()
+        for message, module in (("Apex is not installed. Falling back to Torch Norm", "megatron.core.models.backends"),
+                                ("Transformer Engine and Apex are not installed. Falling back to Torch optimizers.",
+                                 "megatron.core.optimizer"),
+                                ("checkpoint has unexpected keys", "megatron.core.dist_checkpointing")):
+            warnings.warn_explicit(message, UserWarning, module.replace(".", "/") + ".py", 1, module=module)
+    assert [str(w.message) for w in caught] == ["checkpoint has unexpected keys"]
