@@ -86,6 +86,28 @@ def tiny_lm_folder(path: str, variant: str = "gqa") -> str:
     return path
 
 
+def tiny_reward_folder(path: str, variant: str = "gqa", seed: int = 1) -> str:
+    """A tiny random reward model (HF `...ForSequenceClassification`, one label, of a `tests.models` LLaMA
+    variant) saved with the tiny tokenizer's files."""
+    import torch
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from megatron_patch.conversion.hf_io import copy_side_files
+    from megatron_patch.models.reward import as_reward_config
+    from tests.models import llama_config
+
+    config = AutoConfig.for_model(**as_reward_config(llama_config(variant)))
+    model = AutoModelForSequenceClassification.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g) * 0.1
+            p.copy_(1.0 + noise if "norm" in name else noise)
+    model.save_pretrained(path)
+    copy_side_files(TINY_TOKENIZER, path, ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"])
+    return path
+
+
 def ppo_steps(rank: int, argv: list[str], steps: int = 2) -> list[tuple[dict, list]]:
     """`steps` PPO steps on this rank (a `_cpu.run_world` worker): each step's metrics and the rollouts' tokens."""
     from megatron_patch.rlhf.ppo import parser, setup
