@@ -14,12 +14,16 @@ TINY_LLAMA = os.path.join(ASSETS, "tiny_llama.json")
 
 
 def random_hf_model(cfg: dict, seed: int = 0):
-    """A `transformers` causal LM for `cfg` (fp32, eager attention) with seeded random weights."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """A `transformers` causal LM for `cfg` (fp32, eager attention) with seeded random weights; a
+    `...ForSequenceClassification` (reward model) when `cfg`'s architecture is one."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from megatron_patch.models.reward import is_reward_config
 
     config = AutoConfig.for_model(**cfg)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    auto = AutoModelForSequenceClassification if is_reward_config(cfg) else AutoModelForCausalLM
+    model = auto.from_config(config, attn_implementation="eager", dtype=torch.float32)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -75,35 +75,16 @@ def pretrain_argv(data: str, save: str, *extra: str, model=("--hf-config", TINY_
             os.path.join(os.path.dirname(save), "cache"), *extra]
 
 
-def tiny_lm_folder(path: str, variant: str = "gqa") -> str:
-    """A tiny random causal LM (a `tests.models` LLaMA variant) saved as an HF folder together with the tiny
-    tokenizer's files."""
-    from megatron_patch.conversion.hf_io import copy_side_files
-    from tests.models import hf_model, llama_config, save_hf
-
-    save_hf(hf_model(llama_config(variant)), path)
-    copy_side_files(TINY_TOKENIZER, path, ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"])
-    return path
-
-
-def tiny_reward_folder(path: str, variant: str = "gqa", seed: int = 1) -> str:
-    """A tiny random reward model (HF `...ForSequenceClassification`, one label, of a `tests.models` LLaMA
-    variant) saved with the tiny tokenizer's files."""
-    import torch
-    from transformers import AutoConfig, AutoModelForSequenceClassification
-
+def tiny_lm_folder(path: str, variant: str = "gqa", reward: bool = False, seed: int = 0) -> str:
+    """A tiny random causal LM (a `tests.models` LLaMA variant; with `reward`, that model as a one-label
+    reward model, `...ForSequenceClassification`) saved as an HF folder together with the tiny tokenizer's
+    files."""
     from megatron_patch.conversion.hf_io import copy_side_files
     from megatron_patch.models.reward import as_reward_config
-    from tests.models import llama_config
+    from tests.models import hf_model, llama_config, save_hf
 
-    config = AutoConfig.for_model(**as_reward_config(llama_config(variant)))
-    model = AutoModelForSequenceClassification.from_config(config, attn_implementation="eager", dtype=torch.float32)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g) * 0.1
-            p.copy_(1.0 + noise if "norm" in name else noise)
-    model.save_pretrained(path)
+    cfg = llama_config(variant)
+    save_hf(hf_model(as_reward_config(cfg) if reward else cfg, seed), path)
     copy_side_files(TINY_TOKENIZER, path, ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"])
     return path
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests import _cpu
-from tests.helpers import ppo_steps, tiny_lm_folder, tiny_reward_folder
+from tests.helpers import ppo_steps, tiny_lm_folder
 
 PROMPTS = ["The module", "A list of", "When the function", "def f(x):"]
 
@@ -64,8 +64,8 @@ def test_ppo_pipeline_equals_one_stage(cpu_megatron, start, tmp_path, tp, pp, re
     """reward "model": a reward model (and the critic started from it) run through the pipeline too."""
     argv = _ppo_argv(start)
     if reward == "model":
-        argv[argv.index("--reward"):argv.index("--reward") + 2] = ["--reward-model",
-                                                                    tiny_reward_folder(str(tmp_path / "rm"))]
+        rm = tiny_lm_folder(str(tmp_path / "rm"), reward=True, seed=1)
+        argv[argv.index("--reward"):argv.index("--reward") + 2] = ["--reward-model", rm]
     one = ppo_steps(0, argv)
     assert one[1][0]["kl"] > 0 and one[1][0]["clip_frac"] > 0  # the second step ran on an updated policy
     for rank in _cpu.run_world(tp * pp, ppo_steps, argv + ["--tp", str(tp), "--pp", str(pp)]):
