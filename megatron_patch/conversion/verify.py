@@ -7,7 +7,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from megatron_patch import patches
 from megatron_patch.models.family import Layout
 
 
@@ -34,12 +33,9 @@ def megatron_logits(model, input_ids: Tensor, vocab_size: int) -> Tensor | None:
     ids = input_ids.to(device)
     b, s = ids.shape
     pos = torch.arange(s, device=device).unsqueeze(0).expand(b, -1)
-    with torch.no_grad():
-        out = pipeline.forward(model, ids, pos, causal_mask(s).to(device))
-        if out is not None:
-            with patches.applied("cpu_cuda_calls"):
-                out = gather_from_tensor_model_parallel_region(out)[..., :vocab_size].float().cpu()
-    return pipeline.from_last_stage(out, (b, s, vocab_size), device="cpu")
+    return pipeline.forward_everywhere(
+        model, ids, (b, s, vocab_size), lambda out: gather_from_tensor_model_parallel_region(out)[..., :vocab_size],
+        pos, causal_mask(s).to(device), device="cpu")
 
 
 def compare(reference: Tensor, candidate: Tensor) -> dict:

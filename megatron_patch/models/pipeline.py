@@ -57,6 +57,21 @@ def forward(model, tokens: torch.Tensor, pos: torch.Tensor | None = None, mask: 
     return captured[0] if captured else None
 
 
+def forward_everywhere(model, tokens: torch.Tensor, shape: tuple[int, ...], fn: Callable | None = None,
+                       pos: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+                       device: torch.device | str | None = None) -> torch.Tensor:
+    """`fn(output)` (default: the output itself) without gradient: computed on the last pipeline stage and
+    returned on every rank of the pipeline, float32 of shape `shape`, on `device` (default: the tokens')."""
+    from megatron_patch import patches
+
+    with torch.no_grad():
+        out = forward(model, tokens, pos, mask)
+        if out is not None and fn is not None:
+            with patches.applied("cpu_cuda_calls"):
+                out = fn(out)
+    return from_last_stage(out, shape, device=device or tokens.device)
+
+
 def forward_backward(model, tokens: torch.Tensor, loss_fn: Callable[[torch.Tensor], tuple[torch.Tensor, dict]],
                      pos: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> dict:
     """One forward and backward pass: `loss_fn(output)` runs on the last stage with its output and returns

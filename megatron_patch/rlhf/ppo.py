@@ -111,10 +111,7 @@ class Trainer:
         """The critic's value at every position [rows, s], without gradient, on every rank."""
         from megatron_patch.models import pipeline
 
-        with torch.no_grad():
-            out = pipeline.forward(self.critic, tokens)
-        return pipeline.from_last_stage(out[..., 0] if out is not None else None, tuple(tokens.shape),
-                                        device=self.device)
+        return pipeline.forward_everywhere(self.critic, tokens, tuple(tokens.shape), lambda out: out[..., 0])
 
     def scores(self, rows: list[int], r) -> torch.Tensor:
         """The reward of each completion: the reward model's value at the sequence's scored token (its last
@@ -124,9 +121,7 @@ class Trainer:
         from megatron_patch.rlhf.rollout import rewards_of
 
         if self.reward_model is not None:
-            with torch.no_grad():
-                out = pipeline.forward(self.reward_model, r.tokens)
-            values = pipeline.from_last_stage(out, (*r.tokens.shape, 1), device=self.device)
+            values = pipeline.forward_everywhere(self.reward_model, r.tokens, (*r.tokens.shape, 1))
             return scored_values(values, r.tokens, r.lengths, self.reward_cfg.get("pad_token_id"))
         return rewards_of(self.reward_fn, self.args.reward, self.texts, rows, r.texts).to(self.device)
 

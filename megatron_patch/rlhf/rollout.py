@@ -142,10 +142,7 @@ def token_logps(model, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tens
     """log p(label) per position [rows, s] under `model`, without gradient, on every rank at any TP x PP."""
     from megatron_patch.models import pipeline
 
-    with torch.no_grad():
-        logits = pipeline.forward(model, tokens)
-        logps = logps_of(logits, labels) if logits is not None else None
-    return pipeline.from_last_stage(logps, tuple(tokens.shape), device=tokens.device)
+    return pipeline.forward_everywhere(model, tokens, tuple(tokens.shape), lambda logits: logps_of(logits, labels))
 
 
 def optimizer_step(model, optimizer, max_norm: float) -> float:
