@@ -86,12 +86,12 @@ class Scorer:
         self.model, self.vocab_size = model, vocab_size
 
     def token_logprobs(self, ids: list[int]) -> torch.Tensor:
-        """log p(ids[i] | ids[:i]) for i = 1..len-1."""
+        """log p(ids[i] | ids[:i]) for i = 1..len-1 (float32, on the CPU; computed on the model's device)."""
         from megatron_patch.conversion.verify import megatron_logits
 
-        x = torch.tensor([ids])
-        logits = megatron_logits(self.model, x, self.vocab_size)[0].float()
-        return torch.log_softmax(logits[:-1], dim=-1).gather(1, x[0, 1:, None])[:, 0]
+        x = torch.tensor([ids], device=next(self.model.parameters()).device)  # the full-vocab logits stay there
+        logits = megatron_logits(self.model, x, self.vocab_size)[0]
+        return torch.log_softmax(logits[:-1], dim=-1).gather(1, x[0, 1:, None])[:, 0].cpu()
 
     def perplexity(self, documents: list[list[int]], seq_length: int) -> dict:
         nll, count = 0.0, 0

@@ -236,7 +236,7 @@ class MegatronLM(TemplateLM):
         from megatron_patch.conversion.verify import megatron_logits
 
         longest = max(len(x) for x in inputs)
-        ids = torch.tensor([x + [self.eot_token_id] * (longest - len(x)) for x in inputs])
+        ids = torch.tensor([x + [self.eot_token_id] * (longest - len(x)) for x in inputs], device=self.device)
         logits = megatron_logits(self.model, ids, self.vocab_size)  # on every rank of the replica
         return [F.log_softmax(row[len(x) - n: len(x)].float(), dim=-1) for row, x, n in zip(logits, inputs, counts)]
 
@@ -271,7 +271,7 @@ class MegatronLM(TemplateLM):
                 # the requests that share this pass (all but their last continuation token)
                 for shared, cont, logits in order.get_cache(req_str=request, cxt_toks=context,
                                                             cont_toks=continuation, logits=scored):
-                    cont = torch.tensor(cont, dtype=torch.long).unsqueeze(0)
+                    cont = torch.tensor(cont, dtype=torch.long, device=logits.device).unsqueeze(0)
                     is_greedy = bool((greedy[:, -cont.shape[1]:] == cont).all())
                     answer = (float(logits.gather(2, cont.unsqueeze(-1)).sum()), is_greedy)
                     res.append(answer)

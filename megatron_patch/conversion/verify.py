@@ -22,7 +22,8 @@ def causal_mask(seq: int) -> Tensor:
 
 
 def megatron_logits(model, input_ids: Tensor, vocab_size: int) -> Tensor | None:
-    """Full-vocab logits [batch, seq, vocab] from a megatron-core GPTModel at any TP x PP.
+    """Full-vocab logits [batch, seq, vocab] (float32) from a megatron-core GPTModel at any TP x PP, on the
+    device of `input_ids` (the caller's: CPU ids give CPU logits, ids on the model's GPU keep them there).
 
     Every rank of the model-parallel group calls this; the result is returned on all ranks."""
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
@@ -35,12 +36,13 @@ def megatron_logits(model, input_ids: Tensor, vocab_size: int) -> Tensor | None:
     pos = torch.arange(s, device=device).unsqueeze(0).expand(b, -1)
     return pipeline.forward_everywhere(
         model, ids, (b, s, vocab_size), lambda out: gather_from_tensor_model_parallel_region(out)[..., :vocab_size],
-        pos, causal_mask(s).to(device), device="cpu")
+        pos, causal_mask(s).to(device), device=input_ids.device)
 
 
 def compare(reference: Tensor, candidate: Tensor) -> dict:
-    """max |diff|, mean KL(reference || candidate) per token, top-1 agreement."""
-    ref, cand = reference.double(), candidate.double()
+    """max |diff|, mean KL(reference || candidate) per token, top-1 agreement; computed in float64 on the
+    reference's device, wherever the candidate is."""
+    ref, cand = reference.double(), candidate.to(reference.device, torch.float64)
     kl = F.kl_div(F.log_softmax(cand, -1), F.log_softmax(ref, -1), log_target=True, reduction="none")
     return {
         "max_abs_logit_diff": (ref - cand).abs().max().item(),

@@ -61,7 +61,8 @@ def forward_everywhere(model, tokens: torch.Tensor, shape: tuple[int, ...], fn: 
                        pos: torch.Tensor | None = None, mask: torch.Tensor | None = None,
                        device: torch.device | str | None = None) -> torch.Tensor:
     """`fn(output)` (default: the output itself) without gradient: computed on the last pipeline stage and
-    returned on every rank of the pipeline, float32 of shape `shape`, on `device` (default: the tokens')."""
+    returned on every rank of the pipeline, float32 of shape `shape`, on `device` (default: the tokens', i.e.
+    the caller's device; at PP = 1 as at PP > 1)."""
     from megatron_patch import patches
 
     with torch.no_grad():
@@ -93,11 +94,11 @@ def forward_backward(model, tokens: torch.Tensor, loss_fn: Callable[[torch.Tenso
 def from_last_stage(t: torch.Tensor | None, shape: tuple[int, ...], dtype=torch.float32,
                     device: torch.device | str | None = None) -> torch.Tensor:
     """The last pipeline stage's tensor (None elsewhere) on every rank of the pipeline, as `dtype` on
-    `device` (default: where it was, or the CPU)."""
+    `device` (default: where it was, or the CPU), at every pipeline size alike."""
     from megatron.core import parallel_state as ps
 
     if _pp() == 1:
-        return t.to(dtype)
+        return t.to(device or t.device, dtype)
     group = ps.get_pipeline_model_parallel_group()
     where = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
     buf = t.detach().to(where, dtype).contiguous() if t is not None else torch.empty(shape, dtype=dtype, device=where)
