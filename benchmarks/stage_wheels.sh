@@ -4,6 +4,8 @@
 #
 #   bash benchmarks/stage_wheels.sh fa4          # FlashAttention-4 (CuTe DSL) for the dynamic inference engine
 #   bash benchmarks/stage_wheels.sh titan        # torchtitan 0.2.2 and its dependencies (train_bench.py's peer)
+#   bash benchmarks/stage_wheels.sh lmeval       # lm-evaluation-harness 0.4.13 and what the GPU image lacks of its
+#                                                # dependencies (the GPU suite's lm-eval tests)
 #   bash benchmarks/stage_wheels.sh NAME==VER... # any wheels
 #
 # Wheels go to .device/extra (.gitignore lists /.device/). A call may carry 64 MiB, so files over 50 MiB are split into
@@ -19,11 +21,19 @@ FA4=(flash-attn-4==4.0.0b36 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-ba
      nvidia-cutlass-dsl-libs-core==4.8.1 nvidia-cutlass-dsl-libs-cu13==4.8.1 quack-kernels==0.6.5 apache-tvm-ffi==0.1.15.post2 torch-c-dlpack-ext==0.1.5)
 TITAN=(torchtitan==0.2.2 tyro==1.0.17 docstring-parser==0.18.0 typeguard==4.6.1 typing-extensions==4.16.0
        tensorboard==2.21.0 protobuf==7.36.2 absl-py==2.5.1 torchdata==0.11.0)
+# the GPU image has pyarrow, pandas, scikit-learn, sacrebleu, huggingface-hub; three of these exist only as sdists
+# and are built into (pure Python) wheels here
+LMEVAL=(lm-eval==0.4.13 datasets==5.2.0 evaluate==0.4.6 dill==0.4.1 multiprocess==0.70.19 pytablewriter==1.2.1
+        dataproperty==1.1.1 mbstrdecoder==1.1.5 pathvalidate==3.3.1 tabledata==1.3.5 tcolorpy==0.1.7 typepy==1.3.5
+        chardet==6.0.0.post1 sqlitedict==2.1.0 rouge-score==0.1.2 word2number==1.1 more-itertools==11.2.1
+        nltk==3.10.4 defusedxml==0.7.1)
 WANT=()
 for a in "$@"; do
-  case "$a" in fa4) WANT+=("${FA4[@]}") ;; titan) WANT+=("${TITAN[@]}") ;; *) WANT+=("$a") ;; esac
+  case "$a" in
+    fa4) WANT+=("${FA4[@]}") ;; titan) WANT+=("${TITAN[@]}") ;; lmeval) WANT+=("${LMEVAL[@]}") ;; *) WANT+=("$a") ;;
+  esac
 done
-[[ ${#WANT[@]} -gt 0 ]] || { echo "error: name fa4, titan or wheels (NAME==VER)" >&2; exit 1; }
+[[ ${#WANT[@]} -gt 0 ]] || { echo "error: name fa4, titan, lmeval or wheels (NAME==VER)" >&2; exit 1; }
 D=.device/extra
 rm -rf "$D" .device/x[0-9]*
 mkdir -p "$D"
@@ -31,6 +41,13 @@ for w in "${WANT[@]}"; do
   # shellcheck disable=SC2086
   python3 -m pip download -q --no-deps $PLAT -d "$D" "$w" 2>/dev/null || python3 -m pip download -q --no-deps -d "$D" "$w"
 done
+shopt -s nullglob
+for sdist in "$D"/*.tar.gz "$D"/*.zip; do  # no wheel on the registry: build one (no network on the GPU machine)
+  python3 -m pip wheel -q --no-deps --no-build-isolation -w "$D" "$sdist" 2>/dev/null \
+    || python3 -m pip wheel -q --no-deps -w "$D" "$sdist"
+  rm "$sdist"
+done
+shopt -u nullglob
 n=0
 for f in "$D"/*.whl; do
   [[ $(stat -c %s "$f") -gt $((50 * 1024 * 1024)) ]] || continue

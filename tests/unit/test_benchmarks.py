@@ -177,8 +177,9 @@ def test_torchtitan_row_fails_softly(tmp_path, monkeypatch, no_torchtitan_module
 
 
 def test_stage_wheels_without_names_is_one_error_line(tmp_path):
-    """benchmarks/stage_wheels.sh needs what to stage (fa4, titan or NAME==VER) and says so on one line, touching
-    nothing, also in a copy of the tree without git (CI's checkout has no .git/info: the script wrote there, failed)."""
+    """benchmarks/stage_wheels.sh needs what to stage (fa4, titan, lmeval or NAME==VER) and says so on one line,
+    touching nothing, also in a copy of the tree without git (CI's checkout has no .git/info: the script wrote there,
+    failed)."""
     (tmp_path / "benchmarks").mkdir()
     shutil.copy(os.path.join(ROOT, "benchmarks", "stage_wheels.sh"), tmp_path / "benchmarks")
     p = subprocess.run(["bash", "benchmarks/stage_wheels.sh"], capture_output=True, text=True, cwd=tmp_path)
