@@ -130,9 +130,9 @@ def verify(hf_dir: str, mcore_dir: str, *, layout: Layout = Layout(), dtype: tor
     same_model(hf_dir, ckpt.hf_config, mcore_dir)
     dtype = dtype or ckpt.dtype
     model, config = load_megatron_model(mcore_dir, layout=layout, impl=impl, dtype=dtype, hf_config=hf_config)
-    from megatron_patch.models import get_family
+    from megatron_patch.models import vocab_size
 
-    vocab = get_family(config).shapes(config, Layout()).vocab_size
+    vocab = vocab_size(config)
     if dtype == torch.float32:
         exact_routing(model)
     ids = fixed_prompts(vocab)

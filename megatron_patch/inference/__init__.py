@@ -71,7 +71,7 @@ def model_and_tokenizer(args, before_loading=None):
     model's vocab, are checked (`before_loading(tokenizer)` runs before the weights are read)."""
     import os
 
-    from megatron_patch.models import Layout, get_family
+    from megatron_patch.models import vocab_size
     from megatron_patch.tokenizer import build_tokenizer
 
     if not (args.mcore_dir or args.hf_dir):
@@ -83,7 +83,7 @@ def model_and_tokenizer(args, before_loading=None):
     if before_loading is not None:
         before_loading(tokenizer)
     model, cfg = load_model(args.mcore_dir, args.hf_dir, args.tp, args.pp, args.impl, torch_dtype(args.dtype), args.ep)
-    vocab = get_family(cfg).shapes(cfg, Layout()).vocab_size
+    vocab = vocab_size(cfg)
     if tokenizer.vocab_size > vocab:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is {vocab}")
     return model, vocab, tokenizer

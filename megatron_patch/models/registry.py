@@ -97,6 +97,14 @@ def get_family(hf_config_or_name: Any) -> ModelFamily:
     )
 
 
+def vocab_size(hf_config: dict) -> int:
+    """The model's vocabulary as its family reads the HF config: token ids 0 .. vocab_size - 1, without the
+    padding megatron adds (`padded_vocab_size`), whose logits are no token's."""
+    from megatron_patch.models.family import Layout
+
+    return get_family(hf_config).shapes(hf_config, Layout()).vocab_size
+
+
 def _supported() -> str:
     return ", ".join(a for _, archs in _FAMILIES.values() for a in archs)
 

@@ -32,14 +32,14 @@ def check_same_vocabulary(flag: str, path: str, role: str, policy_cfg: dict, tok
     """The HF config of the model at `path`, after checking that it reads the policy's token ids: the
     same vocabulary size, and the same tokenizer where the folder has one. Before any weight is read."""
     from megatron_patch.inference import model_folder
-    from megatron_patch.models import Layout, get_family, load_hf_config
+    from megatron_patch.models import load_hf_config, vocab_size
     from megatron_patch.tokenizer import build_tokenizer
 
     if not os.path.exists(path):
         raise ValueError(f"{flag} {path} does not exist")
     folder = model_folder(*model_paths(path))
     cfg = load_hf_config(folder)
-    theirs, mine = (get_family(c).shapes(c, Layout()).vocab_size for c in (cfg, policy_cfg))
+    theirs, mine = vocab_size(cfg), vocab_size(policy_cfg)
     why = f"{theirs} tokens in its config.json, {mine} in the policy's" if theirs != mine else None
     if why is None and any(os.path.isfile(os.path.join(folder, f)) for f in ("tokenizer.json", "tokenizer.model")):
         why = _tokenizer_difference(tokenizer, build_tokenizer(folder))

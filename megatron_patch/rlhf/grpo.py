@@ -50,11 +50,11 @@ def grpo_loss(logps, old, ref, advantages, mask, clip: float, kl_coef: float):
     return loss, ((kl.detach() * mask).sum(1) / n).mean().item()
 
 
-def _logits_loss(logits, labels, old, ref, advantages, mask, clip: float, kl_coef: float):
+def _logits_loss(logits, labels, old, ref, advantages, mask, clip: float, kl_coef: float, vocab_size: int):
     """`grpo_loss` from the policy's logits, with its metrics (`pipeline.forward_backward`'s loss function)."""
     from megatron_patch.rlhf.rollout import logps_of
 
-    loss, kl = grpo_loss(logps_of(logits, labels), old, ref, advantages, mask, clip, kl_coef)
+    loss, kl = grpo_loss(logps_of(logits, labels, vocab_size), old, ref, advantages, mask, clip, kl_coef)
     return loss, {"loss": loss.item(), "kl": kl}
 
 
@@ -62,7 +62,7 @@ def train(args) -> dict:
     from megatron_patch.cli import is_first_rank
     from megatron_patch.conversion.atomic import check_output
     from megatron_patch.inference import model_folder, read_prompts
-    from megatron_patch.models import pipeline
+    from megatron_patch.models import pipeline, vocab_size
     from megatron_patch.names import torch_dtype
     from megatron_patch.rlhf.rollout import (
         check_finite,
@@ -95,6 +95,7 @@ def train(args) -> dict:
                                                   torch_dtype(args.dtype))
     opt = torch.optim.AdamW([p for p in policy.parameters()], lr=args.lr, weight_decay=0.0)
     device = next(policy.parameters()).device
+    vocab = vocab_size(cfg)
     history, start = [], time.time()
     for step in range(args.steps):
         # each prompt `group_size` times in a row: the groups whose rewards are normalised together
@@ -105,11 +106,11 @@ def train(args) -> dict:
         rewards = rewards_of(reward_fn, args.reward, texts, rows, r.texts, args.group_size)
         advantages = group_advantages(rewards, args.group_size).to(device)
         tokens, labels, mask = r.tokens, r.labels, r.mask
-        old = token_logps(policy, tokens, labels)
-        ref = token_logps(reference, tokens, labels)
+        old = token_logps(policy, tokens, labels, vocab)
+        ref = token_logps(reference, tokens, labels, vocab)
 
         loss_fn = functools.partial(_logits_loss, labels=labels, old=old, ref=ref, advantages=advantages, mask=mask,
-                                    clip=args.clip, kl_coef=args.kl_coef)
+                                    clip=args.clip, kl_coef=args.kl_coef, vocab_size=vocab)
         policy.train()
         for _ in range(args.epochs):
             opt.zero_grad(set_to_none=True)

@@ -127,7 +127,7 @@ class Trainer:
 
     def step(self, step: int):
         """One PPO step: (its metrics, the rollouts it trained on)."""
-        from megatron_patch.models import pipeline
+        from megatron_patch.models import pipeline, vocab_size
         from megatron_patch.rlhf.ppo_loss import (
             gae,
             masked_mean,
@@ -144,8 +144,9 @@ class Trainer:
         r = rollout(self.policy, self.tokenizer, [self.prompt_ids[i] for i in rows], a.max_new_tokens,
                     a.temperature, a.top_p, a.seed + step, self.device, a.engine)
         self.critic.eval()
-        old = token_logps(self.policy, r.tokens, r.labels)
-        ref = token_logps(self.reference, r.tokens, r.labels)
+        vocab = vocab_size(self.cfg)
+        old = token_logps(self.policy, r.tokens, r.labels, vocab)
+        ref = token_logps(self.reference, r.tokens, r.labels, vocab)
         old_values = self.values(r.tokens)
         scores = self.scores(rows, r)
         kl = sequence_kl(old, ref, r.mask)
@@ -163,7 +164,7 @@ class Trainer:
                 tokens, mask = r.tokens[mb], r.mask[mb]
 
                 def actor_loss(logits, mb=mb, mask=mask):
-                    logps, entropy = logps_of(logits, r.labels[mb], entropy=True)
+                    logps, entropy = logps_of(logits, r.labels[mb], vocab, entropy=True)
                     pg, clip_frac = policy_loss(logps, old[mb], advantages[mb], mask, a.clip)
                     return pg, {"policy_loss": pg.item(), "clip_frac": clip_frac,
                                 "entropy": float(masked_mean(entropy, mask))}
