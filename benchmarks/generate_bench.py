@@ -156,6 +156,7 @@ def run_shape(a, shape: str, prompts: list[list[int]], timer: Timer) -> list[dic
     graphs = {"local": True, "none": False, None: None}[a.cuda_graph_impl]
     bound_ms = bytes_read_per_decode_step(hf) / (a.bandwidth_tb_s * 1e12) * 1e3
     rows = []
+    tokenizer = _Ids()  # one object: the dynamic engine is reused while the tokenizer and plan stay (_Engines.get)
     for n in a.requests:
         batch = prompts[:n]
         padded = max(len(p) for p in batch)
@@ -163,7 +164,7 @@ def run_shape(a, shape: str, prompts: list[list[int]], timer: Timer) -> list[dic
         mask = torch.tensor([[0] * (padded - len(p)) + [1] * len(p) for p in batch], device=a.device)
 
         def ours(new: int = a.new, engine: str = "dynamic", batch=batch, n=n) -> None:
-            out = generate(model, _Ids(), batch, new, top_k=1, max_batch_size=n, stop_id=None,
+            out = generate(model, tokenizer, batch, new, top_k=1, max_batch_size=n, stop_id=None,
                            cuda_graphs=graphs if engine == "dynamic" else None, engine=engine)
             assert all(len(t) == new for t in out)
 
@@ -186,12 +187,9 @@ def run_shape(a, shape: str, prompts: list[list[int]], timer: Timer) -> list[dic
                 if name.startswith("HF static"):
                     hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
                 seconds, peak = timer(fn)
-                row.update(seconds=round(seconds, 3), tokens_per_s=round(n * a.new / seconds, 1),
+                one = timer(lambda fn=fn: fn(1))[0] if n == 1 else None
+                row.update(timing_fields(n, a.new, seconds, one, bound_ms),
                            peak_gib=None if peak is None else round(peak, 2))
-                if n == 1:
-                    one, _ = timer(lambda fn=fn: fn(1))
-                    row["ms_per_token"] = float(f"{(seconds - one) / (a.new - 1) * 1e3:.4g}")
-                    row["bound_ms"] = float(f"{bound_ms:.4g}")
             except Exception as e:  # a row that cannot run says why, the others go on
                 row["skipped"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
             finally:
@@ -199,11 +197,32 @@ def run_shape(a, shape: str, prompts: list[list[int]], timer: Timer) -> list[dic
             rows.append(row)
             print(json.dumps(row), flush=True)
         release_engine()
+    add_vs_hf(rows)
+    return rows
+
+
+def timing_fields(requests: int, new: int, seconds: float, one_token_seconds: float | None,
+                  bound_ms: float) -> dict:
+    """A row's timing columns from its measured times: `seconds` (the call for `new` tokens per request),
+    tokens/s, and with `one_token_seconds` (the same call for a single token, timed at N = 1) ms per decoded
+    token = (seconds - one_token_seconds) / (new - 1) next to the bandwidth bound `bound_ms`. Arithmetic
+    only, so that it is tested on given numbers: a measured time has no guaranteed sign or size (on a busy
+    CPU the one-token call can outlast the longer one, and ms per token comes out negative: reported as
+    measured, not hidden)."""
+    row = {"seconds": round(seconds, 3), "tokens_per_s": round(requests * new / seconds, 1)}
+    if one_token_seconds is not None:
+        row["ms_per_token"] = float(f"{(seconds - one_token_seconds) / (new - 1) * 1e3:.4g}")
+        row["bound_ms"] = float(f"{bound_ms:.4g}")
+    return row
+
+
+def add_vs_hf(rows: list[dict]) -> None:
+    """Each timed row's speed relative to the HF generate row of the same request count (`vs_hf`: HF's
+    seconds / the row's; > 1 is faster than HF), where that HF row ran."""
     base = {r["requests"]: r for r in rows if r["run"] == "HF generate" and "seconds" in r}
     for r in rows:
         if r["requests"] in base and "seconds" in r:
             r["vs_hf"] = round(base[r["requests"]]["seconds"] / r["seconds"], 2)
-    return rows
 
 
 def table(rows: list[dict]) -> str:

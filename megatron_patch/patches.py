@@ -437,10 +437,26 @@ def _paged_attention_in_torch(self, q, k, v, max_seqlen_q, max_seqlen_k, cu_seql
     return out.unsqueeze(1)
 
 
+_FLASH_DTYPES = (torch.float16, torch.bfloat16)  # what every flash-attn generation's paged kernels take
+
+
+def _flash_importable() -> bool:
+    from megatron.core.transformer import attention
+
+    return bool(attention.HAVE_FA3 or attention.HAVE_FA4 or attention.flash_attn_varlen_func is not None)
+
+
+def attends_in_torch(dtype: torch.dtype) -> bool:
+    """Whether the dynamic engine's attention for a model of `dtype` runs in torch (`paged_attention_in_torch`,
+    while it is applied): with no flash-attn kernel, or for a dtype none takes (fp32)."""
+    return is_active("paged_attention_in_torch") and (not _flash_importable() or dtype not in _FLASH_DTYPES)
+
+
 @register("paged_attention_in_torch", ">=0.18.2,<0.20")
 def _paged_attention_in_torch_patch() -> Callable[[], None] | None:
     """Run megatron-core's dynamic inference engine without flash-attn (every CPU machine; a GPU where
-    the flash-attn package is not installed).
+    the flash-attn package is not installed), and in fp32 (no flash-attn kernel takes fp32: FA4 asserts
+    "inputs must be float16, bfloat16, fp8", seen on an H200 on 2026-12-01).
 
     `megatron/core/transformer/attention.py` (`Attention.forward`, dynamic batching) asserts that
     flash-attn >= 2.7.3 (or FlashAttention 3 / 4) is installed and attends through its paged-KV kernels
@@ -451,12 +467,56 @@ def _paged_attention_in_torch_patch() -> Callable[[], None] | None:
     ignore a sliding window, this one applies it as 0.19 does) and the version check
     (`is_fa_min_version` as attention.py names it) passes. Multi-latent attention with cached latents
     (FlashMLA) is not covered. On a GPU it is a correctness fallback, not a fast path: install
-    flash-attn there for speed. Does nothing when a flash-attn kernel is importable."""
+    flash-attn there for speed. When a flash-attn kernel is importable, only calls whose queries are not
+    fp16 / bf16 take the torch implementation; the others go to megatron-core's own method."""
     from megatron.core.transformer import attention
 
-    if attention.HAVE_FA3 or attention.HAVE_FA4 or attention.flash_attn_varlen_func is not None:
+    if not _flash_importable():
+        return _swap([
+            (attention.Attention, "flash_decode_and_prefill", _paged_attention_in_torch),
+            (attention, "is_fa_min_version", lambda version, check_equality=True: True),
+        ])
+    flash = attention.Attention.flash_decode_and_prefill
+
+    @functools.wraps(flash)
+    def by_dtype(self, q, *args, **kwargs):
+        return (flash if q.dtype in _FLASH_DTYPES else _paged_attention_in_torch)(self, q, *args, **kwargs)
+
+    return _swap([(attention.Attention, "flash_decode_and_prefill", by_dtype)])
+
+
+def _cuda_capability() -> tuple[int, int] | None:
+    """The current GPU's compute capability (major, minor), or None without a GPU."""
+    if not torch.cuda.is_available():
         return None
-    return _swap([
-        (attention.Attention, "flash_decode_and_prefill", _paged_attention_in_torch),
-        (attention, "is_fa_min_version", lambda version, check_equality=True: True),
-    ])
+    return torch.cuda.get_device_capability()
+
+
+@register("fa4_no_split_kv_on_sm90", ">=0.19,<0.20")
+def _fa4_no_split_kv_on_sm90() -> Callable[[], None] | None:
+    """Run megatron-core's dynamic inference engine with FlashAttention-4 on Hopper (compute capability 9.x).
+
+    `megatron/core/transformer/attention.py` (`Attention.flash_decode_and_prefill`, 0.19.0 to 0.19.2) calls
+    FA4's paged kernel, the module-level name `flash_attn4_varlen_func` (`flash_attn.cute.flash_attn_varlen_func`),
+    for prefill / mixed steps and for decode-only steps, both with `num_splits=0 if not self.batch_invariant_mode
+    else 1`. FA4 reads 0 as "choose": its split heuristic (`flash_attn/cute/interface.py`,
+    `_get_fwd_config` / `num_splits_heuristic`) splits the KV length whenever it spans more than 4 KV tiles and
+    there are at most half as many query tiles as SMs (decoding a few requests over a long cache; in CUDA graphs
+    megatron passes `max_seqlen_k` = the context's `max_sequence_length`), and its SM90 forward has no split-KV kernel:
+    `AssertionError: SplitKV not supported on SM 9.0` (4.0.0b36). megatron-core 0.18.2 passed `num_splits=1`
+    there. Here the name attention.py calls passes `num_splits=1` (one split: the kernel megatron's batch-invariant
+    mode runs). Applies only when FA4 is what megatron-core selected (`attention.HAVE_FA4`) and the GPU is
+    compute capability 9.x; elsewhere (Blackwell splits the KV natively) it does nothing."""
+    from megatron.core.transformer import attention
+
+    capability = _cuda_capability()
+    if not getattr(attention, "HAVE_FA4", False) or capability is None or capability[0] != 9:
+        return None
+    original = attention.flash_attn4_varlen_func
+
+    @functools.wraps(original)
+    def one_split(*args, **kwargs):
+        kwargs["num_splits"] = 1
+        return original(*args, **kwargs)
+
+    return _swap([(attention, "flash_attn4_varlen_func", one_split)])

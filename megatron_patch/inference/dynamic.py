@@ -118,7 +118,7 @@ def plan_engine(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, ma
     return EnginePlan(max_requests=n, bounded=n < len(prompts), max_sequence_length=longest + max_new_tokens,
                       max_tokens=max(DynamicInferenceContext.DEFAULT_MAX_TOKENS, longest, n),
                       kv_cache_gb=budget / 1024 ** 3, cuda_graphs=cuda_graphs,
-                      non_decode_graphs=not patches.is_active("paged_attention_in_torch"))
+                      non_decode_graphs=not patches.attends_in_torch(model.config.params_dtype))
 
 
 def unsupported_attention(model) -> str | None:
@@ -153,7 +153,7 @@ def generate_dynamic(model, tokenizer, prompts: list[list[int]], max_new_tokens:
         raise ValueError(f"megatron-core's dynamic inference engine does not support {why}: use the static one "
                          "(--engine static)")
     with (torch.no_grad(), patches.applied("cpu_cuda_calls"), patches.applied("paged_attention_in_torch"),
-          _inference_mode()):
+          patches.applied("fa4_no_split_kv_on_sm90"), _inference_mode()):
         _require_einops()
         plan = plan_engine(model, prompts, max_new_tokens, max_requests, kv_cache_gb, cuda_graphs)
         engine = _Engines.get(model, tokenizer, plan)
@@ -204,16 +204,20 @@ class _Engines:
             cls.engine.reset()
             return cls.engine
         cls.release()
-        cls.engine = _build_engine(model, tokenizer, plan)
+        try:
+            cls.engine = _build_engine(model, tokenizer, plan)
+        except BaseException:
+            # a capture that failed part-way leaves runners behind (drop them: the next engine would meet them)
+            if plan.cuda_graphs:
+                drop_inference_cuda_graphs(model)
+            raise
         cls.model, cls.tokenizer, cls.plan = model, tokenizer, plan
         return cls.engine
 
     @classmethod
     def release(cls) -> None:
         if cls.engine is not None and cls.plan.cuda_graphs:
-            from megatron.core.transformer.cuda_graphs import delete_cuda_graphs
-
-            delete_cuda_graphs()
+            drop_inference_cuda_graphs(cls.model)
         cls.model = cls.tokenizer = cls.plan = cls.engine = None
 
 
@@ -224,14 +228,28 @@ def release_engine() -> None:
 
 def set_inference_cuda_graphs(model, on: bool) -> None:
     """THE switch for CUDA graphs (one place): megatron-core's inference graphs, block scope. On:
-    `cuda_graph_impl="local"` and `inference_cuda_graph_scope=block` on the model's config and a
+    `cuda_graph_impl="local"` and `inference_cuda_graph_scope=block` on the model's config and a new
     `CudaGraphManager` on each decoder block, as a `TransformerBlock` built with those settings would own
     (our models are built without graphs: training owns the config). Block scope graphs only forward
     passes that carry a dynamic inference context in inference mode (`TransformerBlock.
     _should_call_local_cudagraph`), so training and scoring forwards of the same model stay eager. The
     engine captures the graphs when it is built (`DynamicInferenceEngine.create_cuda_graphs`, sizes from
-    `InferenceConfig.num_cuda_graphs`). Off: the config back to no inference graphs (the managers stay,
-    unused)."""
+    `InferenceConfig.num_cuda_graphs`).
+
+    A new manager for every engine: a manager keys its graphs by batch dimensions alone
+    (`CudaGraphManager.__call__`: `cache_key = context.padded_batch_dimensions`, token / prefill / decode
+    counts) and keeps them in `custom_cudagraphs_lookup_table`, which `delete_cuda_graphs` does not clear.
+    Kept across engines, the next engine's capture finds the old engine's runner under the same key, captures
+    into it and then checks the call against the arguments that runner was made with
+    (`_CudaGraphRunner.replay_graph_capture` / `get_mismatch_errors`): the old `inference_context` (compared
+    by identity) and, with another `max_sequence_length`, a `rotary_pos_emb` of another length →
+    `AssertionError: CUDA graph argument mismatch`; it would also keep the old context, and its KV cache,
+    alive. `need_backward=False`: inference graphs have no backward pass, and a manager that may need one
+    swaps `torch.autograd.function.FunctionCtx.save_for_backward` process-wide for an observer that only
+    graph creation puts back (`_CudagraphGlobalRecord._enable_saved_tensors_observer`), which training
+    between two generate calls (GRPO) would then run under.
+
+    Off: the config back to no inference graphs and the managers dropped (`drop_inference_cuda_graphs`)."""
     from megatron.core.transformer.cuda_graphs import CudaGraphManager
     from megatron.core.transformer.enums import InferenceCudaGraphScope
     from megatron.core.transformer.transformer_block import TransformerBlock
@@ -240,12 +258,32 @@ def set_inference_cuda_graphs(model, on: bool) -> None:
     if not on:
         if config.inference_cuda_graph_scope == InferenceCudaGraphScope.block:
             config.cuda_graph_impl, config.inference_cuda_graph_scope = "none", InferenceCudaGraphScope.none
+        _drop_block_managers(model)
         return
     config.cuda_graph_impl = "local"
     config.inference_cuda_graph_scope = InferenceCudaGraphScope.block
-    for m in model.modules():
-        if isinstance(m, TransformerBlock) and not hasattr(m, "cudagraph_manager"):
-            m.cudagraph_manager = CudaGraphManager(config)
+    for block in [m for m in model.modules() if isinstance(m, TransformerBlock)]:
+        block.cudagraph_manager = CudaGraphManager(config, need_backward=False)
+
+
+def _drop_block_managers(model) -> None:
+    """Remove the decoder blocks' CUDA-graph managers (the block then runs eagerly; only inference uses them:
+    `TransformerBlock._should_call_local_cudagraph`)."""
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    for block in [m for m in model.modules() if isinstance(m, TransformerBlock)]:
+        if hasattr(block, "cudagraph_manager"):
+            del block.cudagraph_manager
+
+
+def drop_inference_cuda_graphs(model) -> None:
+    """Free the inference CUDA graphs captured for `model` and forget them: megatron-core's
+    `delete_cuda_graphs` (the graphs, their memory pool, its global record) and the blocks' managers, which
+    still map batch dimensions to the old runners (see `set_inference_cuda_graphs`)."""
+    from megatron.core.transformer.cuda_graphs import delete_cuda_graphs
+
+    delete_cuda_graphs()
+    _drop_block_managers(model)
 
 
 def _build_engine(model, tokenizer, plan: EnginePlan):
@@ -268,6 +306,12 @@ def _build_engine(model, tokenizer, plan: EnginePlan):
                              num_cuda_graphs=NUM_CUDA_GRAPHS if plan.cuda_graphs else None,
                              use_cuda_graphs_for_non_decode_steps=plan.non_decode_graphs)
     context = DynamicInferenceContext(model.config, config)
+    # The KV cache is `torch.empty`: FA4's paged kernel loads whole pages and multiplies the unwritten rows of a
+    # request's last page by 0, which is NaN if they hold NaN or Inf bits (its `flash_attn_varlen_func`
+    # docstring: those rows must be finite), e.g. memory a -inf attention mask used before. Zeroed once here.
+    buffer = getattr(context, "memory_buffer", None)
+    if buffer is not None:
+        buffer.zero_()
     controller = TextGenerationController(GPTInferenceWrapper(model, context), tokenizer)
     return _dynamic_engine_class()(controller, context)
 

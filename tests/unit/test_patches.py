@@ -194,10 +194,42 @@ def test_paged_attention_in_torch_applies_without_flash_attn():
     from megatron.core.transformer import attention
 
     if attention.HAVE_FA3 or attention.HAVE_FA4 or attention.flash_attn_varlen_func is not None:
-        pytest.skip("flash-attn is installed: the patch does nothing")
+        pytest.skip("flash-attn is installed: tested with a stand-in below")
     original = attention.Attention.flash_decode_and_prefill
     with patches.applied("paged_attention_in_torch") as active:
         assert active and patches.apply("paged_attention_in_torch")
         assert attention.Attention.flash_decode_and_prefill is patches._paged_attention_in_torch
         assert attention.is_fa_min_version("2.7.3")
+        assert patches.attends_in_torch(torch.bfloat16) and patches.attends_in_torch(torch.float32)
     assert attention.Attention.flash_decode_and_prefill is original
+    assert not patches.attends_in_torch(torch.float32)  # not applied: megatron-core's own method
+
+
+def test_with_flash_attn_only_fp32_attends_in_torch(monkeypatch):
+    """With a flash-attn kernel importable (FA4 on the GPU machine), fp16 / bf16 calls reach megatron-core's own
+    method and fp32 ones, which no flash kernel takes (FA4: "inputs must be float16, bfloat16, fp8"), the torch
+    implementation; megatron's version check is left alone."""
+    from megatron.core.transformer import attention
+
+    calls = []
+
+    def flash(self, q, *args, **kwargs):
+        calls.append(("flash", q.dtype))
+        return "flash"
+
+    def in_torch(self, q, *args, **kwargs):
+        calls.append(("torch", q.dtype))
+        return "torch"
+
+    monkeypatch.setattr(attention, "HAVE_FA4", True)
+    monkeypatch.setattr(attention.Attention, "flash_decode_and_prefill", flash)
+    monkeypatch.setattr(patches, "_paged_attention_in_torch", in_torch)
+    version_check = attention.is_fa_min_version
+    with patches.applied("paged_attention_in_torch") as active:
+        assert active and attention.is_fa_min_version is version_check
+        method = attention.Attention.flash_decode_and_prefill
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            method(None, torch.zeros(1, dtype=dtype))
+        assert not patches.attends_in_torch(torch.bfloat16) and patches.attends_in_torch(torch.float32)
+    assert calls == [("flash", torch.bfloat16), ("flash", torch.float16), ("torch", torch.float32)]
+    assert attention.Attention.flash_decode_and_prefill is flash
