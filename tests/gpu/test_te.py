@@ -53,6 +53,7 @@ def world():
     ensure_model_parallel(1, 1)
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_te_spec_matches_hf_and_local(world, dtype):
     from megatron_patch.conversion.engine import hf_to_megatron, load_rank_state_dict, make_plan
@@ -97,6 +98,7 @@ def test_te_spec_matches_hf_and_local(world, dtype):
         assert te_vs_hf["top1_agreement"] >= local_vs_hf["top1_agreement"] - 0.03
 
 
+@pytest.mark.smoke
 def test_converter_with_te_naming(world, tmp_path, capsys):
     from megatron_patch.conversion.hf_io import read_all
     from tests.models import hf_model, llama_config, save_hf

@@ -46,11 +46,17 @@ def prepare(out: str) -> tuple[str, str]:
     return os.path.join(out, "config.json"), prefix + "_text_document"
 
 
-def train(out: str, name: str, nproc: int, data: str, model: list[str], iters: int, *extra: str,
+def train(out: str, name: str, nproc: int, data: str | None, model: list[str], iters: int, *extra: str,
           entry: str = "pretrain") -> dict:
+    """`megatron_patch.<entry>` under torchrun on `nproc` GPUs (data None: megatron's mock data); its log is
+    OUT/NAME.log. Returns rc, the losses by iteration, the median ms per iteration and, when it failed, the
+    log's tail."""
     from megatron_patch.tokenizer import TINY_TOKENIZER
 
-    data_args = ["--sft-data", data] if entry == "sft" else ["--data-path", data, "--split", "100,0,0"]
+    if data is None:
+        data_args = ["--mock-data"]
+    else:
+        data_args = ["--sft-data", data] if entry == "sft" else ["--data-path", data, "--split", "100,0,0"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
            str(29500 + hash(name) % 1000), "-m", f"megatron_patch.{entry}", *model, *data_args,
            "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", TINY_TOKENIZER,
