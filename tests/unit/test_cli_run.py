@@ -1,8 +1,11 @@
 """megatron_patch.cli.run: an interruption (Ctrl-C, SIGTERM) is reported as one, with its exit status, even
 when the work's cleanup fails on the way out and raises an error of its own (torch.save's zip writer does,
-when a signal lands inside it); the handlers are restored afterwards."""
+when a signal lands inside it); the handlers are restored afterwards. A summary's `wall_seconds` counts from
+the process's start."""
 
+import json
 import signal
+import types
 
 import pytest
 
@@ -50,3 +53,17 @@ def test_only_the_known_megatron_notices_are_silenced():
                                 ("checkpoint has unexpected keys", "megatron.core.dist_checkpointing")):
             warnings.warn_explicit(message, UserWarning, module.replace(".", "/") + ".py", 1, module=module)
     assert [str(w.message) for w in caught] == ["checkpoint has unexpected keys"]
+
+
+def test_wall_seconds_count_from_the_process_start(monkeypatch, capsys):
+    """`wall_seconds` = now - the process's start (imports included, as a user timing the command sees it),
+    on given clock readings: a measured time has no value a test can rely on."""
+    import psutil
+
+    from megatron_patch import cli
+
+    monkeypatch.setattr(psutil, "Process", lambda: types.SimpleNamespace(create_time=lambda: 1000.0))
+    monkeypatch.setattr(cli, "time", types.SimpleNamespace(time=lambda: 1012.3456))
+    assert cli.process_seconds() == pytest.approx(12.3456)
+    assert run(lambda: {"seconds": 2.5}) == (0, {"seconds": 2.5, "wall_seconds": 12.35})
+    assert json.loads(capsys.readouterr().out) == {"seconds": 2.5, "wall_seconds": 12.35}
