@@ -77,6 +77,8 @@ def free_port() -> int:
 def _worker(rank: int, world: int, port: int, out_dir: str, fn, args) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), TORCHDYNAMO_DISABLE="1")
+    # one intra-op thread: CPU kernels split their sums by thread count, so a world's arithmetic is then the
+    # same on every machine, whatever its cores (tests compare worlds of different sizes bit for bit)
     torch.set_num_threads(1)
     install()
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -89,11 +91,26 @@ def _worker(rank: int, world: int, port: int, out_dir: str, fn, args) -> None:
     dist.destroy_process_group()
 
 
+PORT_ATTEMPTS = 3
+
+
 def run_world(world: int, fn, *args) -> list:
-    """Run `fn(rank, *args)` on `world` gloo processes; returns each rank's result."""
+    """Run `fn(rank, *args)` on `world` gloo processes; returns each rank's result. The port `free_port()`
+    found free can be taken by another process before rank 0 listens on it (a busy machine, a second test
+    session): such a world starts again on a new port, up to PORT_ATTEMPTS times in all."""
+    for _ in range(PORT_ATTEMPTS - 1):
+        try:
+            return _run_world_on(free_port(), world, fn, args)
+        except mp.ProcessRaisedException as e:
+            if "EADDRINUSE" not in str(e):
+                raise
+    return _run_world_on(free_port(), world, fn, args)
+
+
+def _run_world_on(port: int, world: int, fn, args) -> list:
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_worker, args=(world, free_port(), out_dir, fn, args), nprocs=world,
-                           start_method="spawn", join=True)
+        mp.start_processes(_worker, args=(world, port, out_dir, fn, args), nprocs=world, start_method="spawn",
+                           join=True)
         results = []
         for rank in range(world):
             with open(os.path.join(out_dir, f"{rank}.pkl"), "rb") as f:
