@@ -81,7 +81,10 @@ def _worker(rank: int, world: int, port: int, out_dir: str, fn, args) -> None:
     # same on every machine, whatever its cores (tests compare worlds of different sizes bit for bit)
     torch.set_num_threads(1)
     install()
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # rendezvous through a file, not a TCP port: a port probed free can be taken by another process (a second
+    # suite on the machine) before rank 0 listens on it; gloo's own connections take ports the OS assigns
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(out_dir, 'rendezvous')}", rank=rank,
+                            world_size=world)
     try:
         result = ("ok", fn(rank, *args))
     except BaseException:  # reported to the parent with the traceback
@@ -91,26 +94,12 @@ def _worker(rank: int, world: int, port: int, out_dir: str, fn, args) -> None:
     dist.destroy_process_group()
 
 
-PORT_ATTEMPTS = 3
-
-
 def run_world(world: int, fn, *args) -> list:
-    """Run `fn(rank, *args)` on `world` gloo processes; returns each rank's result. The port `free_port()`
-    found free can be taken by another process before rank 0 listens on it (a busy machine, a second test
-    session): such a world starts again on a new port, up to PORT_ATTEMPTS times in all."""
-    for _ in range(PORT_ATTEMPTS - 1):
-        try:
-            return _run_world_on(free_port(), world, fn, args)
-        except mp.ProcessRaisedException as e:
-            if "EADDRINUSE" not in str(e):
-                raise
-    return _run_world_on(free_port(), world, fn, args)
-
-
-def _run_world_on(port: int, world: int, fn, args) -> list:
+    """Run `fn(rank, *args)` on `world` gloo processes; returns each rank's result. MASTER_ADDR / MASTER_PORT
+    are set for code that reads them; the world itself meets through a file in a fresh folder."""
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_worker, args=(world, port, out_dir, fn, args), nprocs=world, start_method="spawn",
-                           join=True)
+        mp.start_processes(_worker, args=(world, free_port(), out_dir, fn, args), nprocs=world,
+                           start_method="spawn", join=True)
         results = []
         for rank in range(world):
             with open(os.path.join(out_dir, f"{rank}.pkl"), "rb") as f:
