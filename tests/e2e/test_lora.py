@@ -311,21 +311,41 @@ def test_sft_lora_trains_adapters_and_exports_exactly(cpu_megatron, tp1, inputs)
     assert (_peft_logits(hf, str(root / "peft"), ids)[0] - ours).abs().max().item() <= 1e-5
 
 
+# The layout comparison trains with plain SGD: Adam divides by sqrt(v-hat), so an element whose gradient is at rounding
+# level moves by up to lr per step in a direction the rounding picks, and no element-wise bound across layouts
+# holds after a few steps (seen: 1.7e-4 apart on one machine, under 1e-4 on another). SGD's step is linear in the
+# gradient, so the layouts' weights differ by what their gradients do.
+SGD = ("--optimizer", "sgd", "--sgd-momentum", "0")
+SGD_BOUND = 1e-5
+
+
+@pytest.fixture(scope="module")
+def tp1_sgd(inputs, tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora_tp1_sgd")
+    return _train(1, _argv(*inputs, str(root / "ckpt"), *SGD)), root
+
+
 @pytest.mark.parametrize("layout", [["--tensor-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"]])
-def test_tp2_and_pp2_train_as_tp1(tp1, inputs, tmp_path, layout):
-    """Same adapters at start (seeded per layer and module, in HF layout), same losses; the checkpoint
-    stores the adapters whole, so its export equals TP=1's adapters up to the training's rounding."""
+def test_tp2_and_pp2_train_as_tp1(tp1_sgd, inputs, tmp_path, layout):
+    """Same adapters at start (seeded per layer and module, in HF layout), same losses; the checkpoint stores the
+    adapters whole, so its export equals TP=1's adapters up to the training's rounding. The bound, for 8 SGD steps
+    (w <- w - lr g, lr 1e-2): PP moves activations without arithmetic and TP splits sums of at most K = 256 terms
+    (hidden 64 x 4 heads' worth, the MLP's 256), so the layouts' gradients differ by fp32 reassociation, at most
+    K u |g|_1-scale ~ 256 * 6e-8 = 1.5e-5 relative, on adapter gradients of size <= ~0.1: <= 1.5e-6 absolute per
+    step; 8 steps of lr 1e-2 give <= 1.2e-7, and carrying a difference through later steps multiplies it by
+    (1 + lr L)^8 (L: the loss's curvature in the adapters); SGD_BOUND = 1e-5 holds for L up to ~50."""
     from megatron_patch.conversion.mcore_io import checkpoint_step_dir
     from megatron_patch.lora.peft import read_checkpoint_adapter
 
-    run = _train(2, _argv(*inputs, str(tmp_path / "ckpt"), *layout))
-    ref = tp1[0]["losses"]
+    run = _train(2, _argv(*inputs, str(tmp_path / "ckpt"), *layout, *SGD))
+    ref = tp1_sgd[0]["losses"]
     assert len(run["losses"]) == len(ref) == 16
     assert max(abs(a - b) for a, b in zip(run["losses"], ref)) <= 1e-5, (run["losses"], ref)
     ours = read_checkpoint_adapter(checkpoint_step_dir(str(tmp_path / "ckpt")))
-    theirs = read_checkpoint_adapter(checkpoint_step_dir(str(tp1[1] / "ckpt")))
+    theirs = read_checkpoint_adapter(checkpoint_step_dir(str(tp1_sgd[1] / "ckpt")))
     assert set(ours) == set(theirs)
-    assert max((ours[k] - theirs[k]).abs().max().item() for k in ours) <= 1e-4
+    assert any(t.abs().max() > 0 for k, t in theirs.items() if ".lora_B." in k)  # the adapters trained
+    assert max((ours[k] - theirs[k]).abs().max().item() for k in ours) <= SGD_BOUND
 
 
 def test_resume_from_adapter_checkpoint_is_exact(tp1, inputs, tmp_path):
