@@ -25,6 +25,7 @@ import re
 import pytest
 import torch
 
+from megatron_patch import compat
 from tests.gpu.test_te import GPU_CFG, HAVE_TE, _record
 
 pytestmark = pytest.mark.skipif(not HAVE_TE, reason="needs a CUDA GPU and Transformer Engine")
@@ -270,6 +271,7 @@ def test_lora_sft_trains_only_the_adapters(trained, tmp_path):
 # --- HybridModel ------------------------------------------------------------------------------------------------
 
 @pytest.mark.smoke
+@pytest.mark.skipif(not compat.at_least("0.19"), reason="HybridModel is new in megatron-core 0.19")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_hybrid_model_under_te_equals_gpt_model(trained, dtype):
     from megatron_patch.conversion.engine import hf_to_megatron, load_rank_state_dict, make_plan
