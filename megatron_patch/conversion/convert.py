@@ -210,16 +210,32 @@ def save_hf_state(hf_tensors: dict[str, Tensor], hf_config: dict, out: str, *, s
     """A model held in memory (e.g. a policy trained outside megatron.training), as HF tensors, written
     as an HF folder the way `mcore_to_hf` writes one: atomically, NaN / Inf refused, the tokenizer and
     generation files of `side_dir` copied, config.json = `hf_config` stating the weights' dtype."""
+    return save_hf_stream(sorted(hf_tensors.items()), hf_config, out, side_dir=side_dir, overwrite=overwrite,
+                          max_shard_size=max_shard_size)
+
+
+def save_hf_stream(tensors: Iterable[tuple[str, Tensor]], hf_config: dict, out: str, *,
+                   side_dir: str | None = None, overwrite: bool = False, max_shard_size: int = 5 * 10**9) -> dict:
+    """`save_hf_state` for tensors that arrive one at a time (a live model's export: conversion/live.py);
+    at most one shard is held. config.json states the dtype of the first floating-point tensor."""
     check_output(out, overwrite)
-    dtype = dtype_name(next(iter(hf_tensors.values())).dtype)
+    seen = {"count": 0, "dtype": None}
+
+    def counted():
+        for name, t in tensors:
+            seen["count"] += 1
+            if seen["dtype"] is None and t.is_floating_point():
+                seen["dtype"] = dtype_name(t.dtype)
+            yield name, t
+
     with atomic_output_dir(out, overwrite) as tmp:
-        files = _write_hf_tensors(tmp, sorted(hf_tensors.items()), max_shard_size, False)
+        files = _write_hf_tensors(tmp, counted(), max_shard_size, False)
         if side_dir:
             copy_side_files(side_dir, tmp)
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(hf_config, f, indent=2)
-        set_config_dtype(os.path.join(tmp, "config.json"), dtype)
-    return {"out": os.path.abspath(out), "shards": len(files), "tensors": len(hf_tensors), "dtype": dtype}
+        set_config_dtype(os.path.join(tmp, "config.json"), seen["dtype"] or "fp32")
+    return {"out": os.path.abspath(out), "shards": len(files), "tensors": seen["count"], "dtype": seen["dtype"]}
 
 
 def mcore_to_mcore(mcore_dir: str, out: str, *, layout: Layout | Callable[[Layout], Layout] | None = None,
@@ -259,4 +275,4 @@ def _copy_hf_side(src: MegatronCheckpoint, dst: str) -> None:
             json.dump(src.hf_config, f, indent=2)
 
 
-__all__ = ["ConversionError", "hf_to_mcore", "mcore_to_hf", "mcore_to_mcore", "save_hf_state"]
+__all__ = ["ConversionError", "hf_to_mcore", "mcore_to_hf", "mcore_to_mcore", "save_hf_state", "save_hf_stream"]

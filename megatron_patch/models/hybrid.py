@@ -232,6 +232,11 @@ def to_hybrid_names(state_dict: dict) -> dict:
     return {hybrid_name(k): v for k, v in state_dict.items()}
 
 
+def to_gpt_names(state_dict: dict) -> dict:
+    """A HybridModel's state dict under the GPT model's names (`to_hybrid_names`' inverse)."""
+    return {_gpt_name(k): v for k, v in state_dict.items()}
+
+
 def load_torch_dist(model, step_dir: str) -> None:
     """Load a GPT-format torch_dist checkpoint (converted by megatron_patch, or saved by a GPTModel run of
     megatron.training; any stored layout) into this rank's HybridModel. Layer-stacked checkpoints (the dense

@@ -26,8 +26,10 @@ def _graph() -> dict[str, set[str]]:
             if isinstance(node, ast.Import):
                 targets.update(a.name for a in node.names)
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                targets.add(node.module)
-                targets.update(f"{node.module}.{a.name}" for a in node.names)
+                # `from a import b`: the module b when it is one, else a (the package's own names: its
+                # __init__ imports nothing at module level; `megatron_patch.Bridge` is resolved lazily)
+                named = {f"{node.module}.{a.name}" for a in node.names} & set(modules)
+                targets |= named if len(named) == len(node.names) else named | {node.module}
         # an import of a.b.c also runs a and a.b: count the deepest module of ours it names
         graph[name] = {t for t in targets if t in modules and t != name} | {t for t in targets
                                                                          if t.startswith("toolkits")}
@@ -54,3 +56,10 @@ def test_no_import_circle_and_no_toolkits():
     for module in sorted(graph):
         if module not in state:
             visit(module, [module])
+
+
+def test_package_root_imports_nothing_at_load():
+    """`import megatron_patch` stays light and outside every circle: its __init__ has no module-level import
+    (the public names, `Bridge` and `Layout`, are imported on first use by its `__getattr__`)."""
+    tree = ast.parse(open(os.path.join(PACKAGE, "__init__.py"), encoding="utf-8").read())
+    assert not [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]

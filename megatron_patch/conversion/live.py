@@ -1,0 +1,187 @@
+"""Weights between a live, sharded megatron-core model and HF names, in memory: what an RL framework does
+every step to refresh its rollout engine, and what a custom trainer does to start from (and end as) an HF
+checkpoint, without writing a Megatron checkpoint in between.
+
+- `live_plan(model, hf_config)`: the conversion plan of a model as built, at the layout megatron-core's
+  parallel state holds (TP, PP, EP, ETP), in the model's own naming, vocabulary padding and query groups.
+- `load_hf_weights(model, hf_config, hf_dir)`: this rank's part of an HF folder into its model; only the
+  tensors of its pipeline stage (and, for experts, its EP rank) are read, one at a time.
+- `export_hf_weights(model, hf_config)`: a generator of `(hf_name, tensor)` on every rank of the world, in
+  the plan's order: each tensor gathered over its TP (expert: ETP) group, an expert from the EP rank that
+  holds it, then sent from its pipeline stage to the others. At most one Megatron tensor is whole at a time
+  (with its HF views). `per_stage=True`: each rank yields its own stage's tensors only (no pipeline
+  traffic), for engines that load stage-local weights.
+- `save_hf(model, hf_config, out)`: the export written by rank 0 as an HF folder, as `mcore-to-hf` writes one.
+
+The tensors come back on the model's device; an HF tensor equals, bit for bit, what the converter makes of a
+checkpoint of the same weights (tests/distributed/test_live_weights.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from megatron_patch.conversion.engine import Placement, Plan, load_hf_into_rank, make_plan
+from megatron_patch.models.family import Layout
+from megatron_patch.models.mappings import Mapping
+
+
+def _unwrap(model):
+    """The megatron-core model inside megatron.training's wrappers (DDP, Float16Module)."""
+    while hasattr(model, "module") and not hasattr(model, "config"):
+        model = model.module
+    while hasattr(model, "module") and hasattr(model.module, "config"):
+        model = model.module
+    return model
+
+
+def current_layout(make_vocab_size_divisible_by: int = 128) -> Layout:
+    """The layout megatron-core's parallel state is initialised with."""
+    from megatron.core import parallel_state as ps
+
+    tp, ep = ps.get_tensor_model_parallel_world_size(), ps.get_expert_model_parallel_world_size()
+    etp = ps.get_expert_tensor_parallel_world_size()
+    return Layout(tp, ps.get_pipeline_model_parallel_world_size(), make_vocab_size_divisible_by, ep,
+                  None if etp == tp else etp)
+
+
+def live_plan(model, hf_config: Any) -> Plan:
+    """The conversion plan of `model` as built (a GPTModel or HybridModel, wrapped or not): the current
+    layout, the model's implementation, its padded vocabulary and query groups."""
+    model = _unwrap(model)
+    return make_plan(hf_config, current_layout(), model.config.transformer_impl,
+                     padded_vocab_size=model.vocab_size, num_query_groups=model.config.num_query_groups)
+
+
+def _gpt_state(model) -> dict[str, Tensor]:
+    """This rank's weights under the GPT model's names (a HybridModel's renamed), without TE's extra state."""
+    model = _unwrap(model)
+    state = {k: v for k, v in model.state_dict().items() if not k.endswith("._extra_state")}
+    if getattr(model, "hybrid_layer_pattern", None) is not None:
+        from megatron_patch.models.hybrid import to_gpt_names
+
+        state = to_gpt_names(state)
+    return state
+
+
+def load_hf_weights(model, hf_config: Any, hf_dir: str, *, dtype: torch.dtype | None = None) -> dict:
+    """Fill this rank's part of `model` from the HF folder `hf_dir`: only its pipeline stage's (and EP
+    rank's) tensors are read, one at a time, with positioned reads; returns {"tensors", "bytes_read"}."""
+    from megatron_patch.conversion.hf_io import HFCheckpoint
+
+    ckpt = HFCheckpoint(hf_dir)
+    read = {"tensors": 0, "bytes_read": 0}
+
+    def get(name: str) -> Tensor:
+        t = ckpt.get(name)
+        read["tensors"] += 1
+        read["bytes_read"] += t.numel() * t.element_size()
+        return t
+
+    model = _unwrap(model)
+    dtype = dtype or next(model.parameters()).dtype
+    load_hf_into_rank(model, live_plan(model, hf_config), get, ckpt.keys(), dtype)
+    return read
+
+
+def _whole(plan: Plan, pl: Placement, local: Tensor) -> Tensor:
+    """The unsharded Megatron tensor of a placement this rank's stage holds: its (E)TP group's shards, or
+    this rank's tensor where every rank of the group holds all of it (norms, biases of row-parallel layers,
+    TE's whole MLA down projections)."""
+    from megatron.core import parallel_state as ps
+
+    m = pl.mapping
+    if m.te_replicated and plan.impl == "transformer_engine":
+        return local
+    expert = m.expert is not None
+    n = plan.layout.expert_tp if expert else plan.layout.tp
+    if n == 1 or type(m).shard is Mapping.shard:  # the base op's shard: the same tensor on every rank
+        return m.unshard([local] * n, plan.shapes)
+    group = ps.get_expert_tensor_parallel_group() if expert else ps.get_tensor_model_parallel_group()
+    local = local.contiguous()
+    shards = [torch.empty_like(local) for _ in range(n)]
+    dist.all_gather(shards, local, group=group)
+    return m.unshard(shards, plan.shapes)
+
+
+def _from_ep_rank(tensors: list[Tensor], owner: int) -> list[Tensor]:
+    """An expert's HF tensors from the EP rank that holds it to the other EP ranks of the stage (each of
+    which made the same-shaped tensors from its own expert of that local number)."""
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_expert_model_parallel_group()
+    src = dist.get_global_rank(group, owner)
+    out = []
+    for t in tensors:
+        t = t.contiguous()
+        dist.broadcast(t, src, group=group)
+        out.append(t)
+    return out
+
+
+def _from_stage(tensors: list[tuple[str, Tensor]] | None, stage: int, device) -> list[tuple[str, Tensor]]:
+    """A stage's HF tensors to every rank of the pipeline (names, shapes and dtypes first)."""
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_pipeline_model_parallel_group()
+    src = dist.get_global_rank(group, stage)
+    meta = [[(n, tuple(t.shape), t.dtype) for n, t in tensors] if tensors is not None else None]
+    dist.broadcast_object_list(meta, src, group=group)
+    out = []
+    for i, (name, shape, dtype) in enumerate(meta[0]):
+        t = tensors[i][1].contiguous() if tensors is not None else torch.empty(shape, dtype=dtype, device=device)
+        dist.broadcast(t, src, group=group)
+        out.append((name, t))
+    return out
+
+
+def export_hf_weights(model, hf_config: Any, *, dtype: torch.dtype | None = None,
+                      per_stage: bool = False) -> Iterator[tuple[str, Tensor]]:
+    """`(hf_name, tensor)` of the live model, on every rank (a collective: every rank of the world iterates
+    it to the end, in step). `dtype` casts each tensor; `per_stage` keeps each stage's tensors on that
+    stage. Expert tensor parallelism different from TP is gathered over its own group."""
+    from megatron_patch.models.parallel import current_rank
+
+    plan = live_plan(model, hf_config)
+    state = _gpt_state(model)
+    me = current_rank()
+    device = next(_unwrap(model).parameters()).device
+    for stage in range(plan.layout.pp):
+        if per_stage and stage != me.pp:
+            continue
+        for pl in plan.placements([stage]):
+            if pl.copy:
+                continue  # the last stage's copy of a tied embedding
+            mine = None
+            if stage == me.pp:
+                # an expert's placement names its rank-local number: every EP rank holds a tensor of that name
+                full = _whole(plan, pl, state[pl.name])
+                mine = pl.mapping.to_hf(full, plan.shapes)
+                if pl.ep is not None and plan.layout.ep > 1:
+                    mine = _from_ep_rank(mine, pl.ep)
+                mine = list(zip(pl.hf_names, mine))
+            if not per_stage and plan.layout.pp > 1:
+                mine = _from_stage(mine, stage, device)
+            for name, t in mine:
+                yield name, (t.to(dtype) if dtype is not None else t)
+
+
+def save_hf(model, hf_config: dict, out: str, *, dtype: torch.dtype | None = None, side_dir: str | None = None,
+            overwrite: bool = False, max_shard_size: int = 5 * 10**9) -> dict | None:
+    """The live model as an HF folder, written by rank 0 (atomically, NaN / Inf refused, config.json =
+    `hf_config` stating the dtype, tokenizer files of `side_dir`); every rank calls it. Rank 0 returns the
+    summary, the others None."""
+    from megatron_patch.conversion.convert import save_hf_stream
+
+    tensors = ((name, t.cpu()) for name, t in export_hf_weights(model, hf_config, dtype=dtype))
+    if dist.is_initialized() and dist.get_rank() != 0:
+        for _ in tensors:
+            pass
+        return None
+    return save_hf_stream(tensors, hf_config, out, side_dir=side_dir, overwrite=overwrite,
+                          max_shard_size=max_shard_size)
