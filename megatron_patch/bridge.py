@@ -21,7 +21,7 @@ environment; megatron-core's parallel state at the layout); a trainer that set i
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -87,16 +87,19 @@ class Bridge:
 
         return provider
 
-    def load_hf_weights(self, model, hf_dir: str | None = None, *, dtype: torch.dtype | None = None) -> dict:
-        """Fill this rank's model from an HF folder (default: the one this bridge was made from): only its
-        pipeline stage's tensors are read (experts: its EP rank's), and it keeps its TP slice. Bitwise the
+    def load_hf_weights(self, model, source: str | Mapping[str, Tensor] | None = None, *,
+                        dtype: torch.dtype | None = None) -> dict:
+        """Fill this rank's model from an HF folder (default: the one this bridge was made from; only its
+        pipeline stage's tensors are read, experts its EP rank's, and it keeps its TP slice), or from HF
+        tensors in memory by name (`dict(bridge.export_hf_weights(trained))`: an inference model refreshed
+        in place, its parameters' storage kept, so CUDA graphs captured on them stay valid). Bitwise the
         converter's result. Returns {"tensors", "bytes_read"} of this rank."""
         from megatron_patch.conversion.live import load_hf_weights
 
-        hf_dir = hf_dir or self.hf_dir
-        if hf_dir is None:
-            raise ValueError("no HF folder: pass hf_dir (this Bridge was made from a config)")
-        return load_hf_weights(model, self.hf_config, hf_dir, dtype=dtype)
+        source = source if source is not None else self.hf_dir
+        if source is None:
+            raise ValueError("no HF weights: pass an HF folder or tensors (this Bridge was made from a config)")
+        return load_hf_weights(model, self.hf_config, source, dtype=dtype)
 
     def export_hf_weights(self, model, *, dtype: torch.dtype | None = None,
                           per_stage: bool = False) -> Iterator[tuple[str, Tensor]]:

@@ -4,8 +4,9 @@ checkpoint, without writing a Megatron checkpoint in between.
 
 - `live_plan(model, hf_config)`: the conversion plan of a model as built, at the layout megatron-core's
   parallel state holds (TP, PP, EP, ETP), in the model's own naming, vocabulary padding and query groups.
-- `load_hf_weights(model, hf_config, hf_dir)`: this rank's part of an HF folder into its model; only the
-  tensors of its pipeline stage (and, for experts, its EP rank) are read, one at a time.
+- `load_hf_weights(model, hf_config, source)`: this rank's part of an HF folder into its model (only the
+  tensors of its pipeline stage, and for experts its EP rank, are read, one at a time), or of HF tensors
+  held in memory (a streamed export: refreshing an inference engine's model in place).
 - `export_hf_weights(model, hf_config)`: a generator of `(hf_name, tensor)` on every rank of the world, in
   the plan's order: each tensor gathered over its TP (expert: ETP) group, an expert from the EP rank that
   holds it, then sent from its pipeline stage to the others. At most one Megatron tensor is whole at a time
@@ -19,7 +20,9 @@ checkpoint of the same weights (tests/distributed/test_live_weights.py).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
+from collections.abc import Mapping as MappingABC
 from typing import Any
 
 import torch
@@ -69,23 +72,31 @@ def _gpt_state(model) -> dict[str, Tensor]:
     return state
 
 
-def load_hf_weights(model, hf_config: Any, hf_dir: str, *, dtype: torch.dtype | None = None) -> dict:
-    """Fill this rank's part of `model` from the HF folder `hf_dir`: only its pipeline stage's (and EP
-    rank's) tensors are read, one at a time, with positioned reads; returns {"tensors", "bytes_read"}."""
-    from megatron_patch.conversion.hf_io import HFCheckpoint
+def load_hf_weights(model, hf_config: Any, source: str | MappingABC[str, Tensor], *,
+                    dtype: torch.dtype | None = None) -> dict:
+    """Fill this rank's part of `model` from `source`: an HF folder (only its pipeline stage's and EP rank's
+    tensors are read, one at a time, with positioned reads), or HF tensors in memory by name (a streamed
+    export: refreshing an inference model from a trained one). The weights are copied into the model's own
+    parameters (their storage stays: CUDA graphs captured on them stay valid). Returns {"tensors",
+    "bytes_read"} of this rank."""
+    if isinstance(source, (str, os.PathLike)):
+        from megatron_patch.conversion.hf_io import HFCheckpoint
 
-    ckpt = HFCheckpoint(hf_dir)
+        ckpt = HFCheckpoint(os.fspath(source))
+        fetch, keys = ckpt.get, ckpt.keys()
+    else:
+        fetch, keys = source.__getitem__, list(source.keys())
     read = {"tensors": 0, "bytes_read": 0}
 
     def get(name: str) -> Tensor:
-        t = ckpt.get(name)
+        t = fetch(name)
         read["tensors"] += 1
         read["bytes_read"] += t.numel() * t.element_size()
         return t
 
     model = _unwrap(model)
     dtype = dtype or next(model.parameters()).dtype
-    load_hf_into_rank(model, live_plan(model, hf_config), get, ckpt.keys(), dtype)
+    load_hf_into_rank(model, live_plan(model, hf_config), get, keys, dtype)
     return read
 
 

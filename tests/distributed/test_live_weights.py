@@ -240,6 +240,29 @@ def test_export_memory_is_bounded_by_a_tensor(cpu_megatron, tmp_path, monkeypatc
         assert r["streamed"] <= 8 * r["largest"], (rank, r)
 
 
+@pytest.mark.parametrize("variant", ["gqa", "deepseek_v2"])
+def test_refresh_in_place_from_a_streamed_export(cpu_megatron, variant, tmp_path):
+    """An inference model refreshed from a trained model's streamed export (in memory, no folder) holds the
+    trained weights bit for bit, in its own parameters' storage (what CUDA graphs captured on it read)."""
+    from megatron_patch import Bridge
+
+    save_case(case(variant), str(tmp_path / "hf"))
+    bridge = Bridge.from_hf(str(tmp_path / "hf"))
+    trained, serving = bridge.build(), bridge.build()
+    bridge.load_hf_weights(trained)
+    bridge.load_hf_weights(serving)
+    with torch.no_grad():
+        for i, p in enumerate(trained.parameters()):
+            p.mul_(1 + 0.01 * (i % 7 + 1))  # "training": every tensor changed
+    storage = {n: p.data_ptr() for n, p in serving.named_parameters()}
+    exported = dict(bridge.export_hf_weights(trained))
+    read = bridge.load_hf_weights(serving, exported)
+    assert read["tensors"] == len(exported)  # each tensor read once
+    want, got = trained.state_dict(), serving.state_dict()
+    assert all(torch.equal(want[k], got[k]) for k in want if not k.endswith("_extra_state"))
+    assert storage == {n: p.data_ptr() for n, p in serving.named_parameters()}
+
+
 def test_public_names_exist():
     import megatron_patch
 

@@ -294,3 +294,47 @@ def test_hybrid_model_under_te_equals_gpt_model(trained, dtype):
     # TF32 (fp32) or bf16 rounding differs: fp32 within verify's TE tolerance, bf16 within its logit noise
     assert result["max_abs_logit_diff"] <= (TE_LOGITS if dtype == torch.float32 else 0.25), result
     assert result["kl"] <= 1e-4 and result["top1_agreement"] >= 0.98, result
+
+
+# --- the Python API: a rollout engine refreshed from a training model -------------------------------------------
+
+@pytest.mark.smoke
+def test_bridge_refreshes_the_dynamic_engine_in_place(trained):
+    """Issue 32's GPU check: an 8B-width model (Llama-3-8B's widths, 8 layers, TE, bf16) streams its weights
+    into a second model that a dynamic engine (CUDA graphs captured) serves; the refresh is timed, the
+    served model then holds the weights bit for bit, and the cached engine's graphs generate what a fresh
+    engine on the source model generates (same kernels, same weights: identical greedy tokens)."""
+    import time
+
+    from megatron_patch import Bridge
+    from megatron_patch.inference import generate
+    from megatron_patch.models import load_hf_config
+    from megatron_patch.tokenizer import build_tokenizer
+
+    hf_dir, prompts, _ = trained
+    cfg = {**load_hf_config(hf_dir), "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
+           "num_key_value_heads": 8, "head_dim": 128, "num_hidden_layers": 8}
+    bridge = Bridge(cfg)
+    source = bridge.build(impl=TE, dtype=torch.bfloat16).eval()
+    serving = bridge.build(impl=TE, dtype=torch.bfloat16).eval()
+    tok, prompts = build_tokenizer(hf_dir), prompts[:2]
+
+    def greedy(model):
+        return generate(model, tok, prompts, 16, top_k=1, stop_id=None, engine="dynamic")
+
+    before = greedy(serving)  # builds the engine and captures its graphs
+    seconds = []
+    for _ in range(3):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        bridge.load_hf_weights(serving, dict(bridge.export_hf_weights(source)))
+        torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - start)
+    want, got = source.state_dict(), serving.state_dict()
+    assert all(torch.equal(want[k], got[k]) for k in want if not k.endswith("_extra_state"))
+    after = greedy(serving)  # the cached engine: its graphs read the refreshed parameters
+    reference = greedy(source)  # a fresh engine on the source model
+    params = sum(p.numel() for p in source.parameters())
+    _record(test="bridge_refresh_dynamic", params=params, seconds_per_refresh=[round(s, 3) for s in seconds],
+            gb_per_s=round(2 * params / min(seconds) / 1e9, 1), tokens_changed=before != after)
+    assert after == reference and before != after
