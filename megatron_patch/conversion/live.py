@@ -35,7 +35,13 @@ from megatron_patch.models.mappings import Mapping
 
 
 def _unwrap(model):
-    """The megatron-core model inside megatron.training's wrappers (DDP, Float16Module)."""
+    """The megatron-core model inside megatron.training's wrappers (DDP, Float16Module); megatron.training's
+    list of model chunks holds one without virtual pipeline stages."""
+    if isinstance(model, (list, tuple)):
+        if len(model) != 1:
+            raise ValueError(f"{len(model)} model chunks (virtual pipeline stages): not supported yet; pass "
+                             "the model of a run without --num-layers-per-virtual-pipeline-stage")
+        model = model[0]
     while hasattr(model, "module") and not hasattr(model, "config"):
         model = model.module
     while hasattr(model, "module") and hasattr(model.module, "config"):

@@ -255,12 +255,22 @@ def test_refresh_in_place_from_a_streamed_export(cpu_megatron, variant, tmp_path
         for i, p in enumerate(trained.parameters()):
             p.mul_(1 + 0.01 * (i % 7 + 1))  # "training": every tensor changed
     storage = {n: p.data_ptr() for n, p in serving.named_parameters()}
-    exported = dict(bridge.export_hf_weights(trained))
+    exported = dict(bridge.export_hf_weights([trained]))  # megatron.training's list of one model chunk too
     read = bridge.load_hf_weights(serving, exported)
     assert read["tensors"] == len(exported)  # each tensor read once
     want, got = trained.state_dict(), serving.state_dict()
     assert all(torch.equal(want[k], got[k]) for k in want if not k.endswith("_extra_state"))
     assert storage == {n: p.data_ptr() for n, p in serving.named_parameters()}
+
+
+def test_virtual_pipeline_chunks_are_refused_in_one_line(cpu_megatron):
+    from megatron_patch import Bridge
+    from tests.models import llama_config
+
+    bridge = Bridge(llama_config("gqa"))
+    model = bridge.build()
+    with pytest.raises(ValueError, match="2 model chunks"):
+        next(bridge.export_hf_weights([model, model]))
 
 
 def test_public_names_exist():
