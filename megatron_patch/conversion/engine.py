@@ -217,13 +217,16 @@ def hf_to_megatron(plan: Plan, get: Callable[[str], Tensor], hf_keys: Iterable[s
                    expected: MappingABC[str, tuple[int, ...]] | None = None,
                    tp_ranks: Iterable[int] | None = None,
                    ep_ranks: Iterable[int] | None = None,
-                   etp_rank: int | None = None) -> dict[Rank, dict[str, Tensor]]:
+                   etp_rank: int | None = None, reader: Any = None) -> dict[Rank, dict[str, Tensor]]:
     """HF tensors (read by name through `get`) -> {(tp_rank, pp_rank, ep_rank): state dict} for
     `stages`, `tp_ranks` and `ep_ranks` (default all; an EP rank holds its own experts, numbered from 0,
     and the same copy of everything else). `expected` (canonical name -> unsharded shape, e.g. a meta
     TP=PP=1 model's) turns a tensor that does not fit the config into an error naming the HF tensor.
     Routed experts are split over ETP (`layout.etp`, default TP): with ETP != TP a process's expert shard
-    is its expert-tensor-parallel rank (`etp_rank`), so that conversion is per process only."""
+    is its expert-tensor-parallel rank (`etp_rank`), so that conversion is per process only.
+    `reader` (with `shape(name)` and `get_slice(name, dim, start, stop)`, e.g. an `HFCheckpoint`), for one TP
+    rank: each tensor the mapping can make from slices (`Mapping.read_plan`) is read as those slices only, so
+    a rank reads about 1/TP of its stage; the others whole through `get`."""
     check_hf_keys(plan, hf_keys)
     split_experts = plan.layout.expert_tp != plan.layout.tp
     if split_experts and etp_rank is None:
@@ -235,13 +238,39 @@ def hf_to_megatron(plan: Plan, get: Callable[[str], Tensor], hf_keys: Iterable[s
     ep_ranks = list(range(plan.layout.ep)) if ep_ranks is None else list(ep_ranks)
     out: dict[Rank, dict[str, Tensor]] = {Rank(t, p, e): {} for t in tp_ranks for p in stages for e in ep_ranks}
     for pl in plan.placements(stages, ep_ranks):
-        shards = megatron_shards(plan, pl, [get(h) for h in pl.hf_names], dtype, expected)
         own_etp_shard = split_experts and pl.mapping.expert is not None
+        if reader is not None and len(tp_ranks) == 1 and expected is None:
+            mine = own_shard(plan, pl, reader, etp_rank if own_etp_shard else tp_ranks[0], dtype)
+            if mine is not None:
+                for e in ep_ranks if pl.ep is None else [pl.ep]:
+                    out[(tp_ranks[0], pl.stage, e)][pl.name] = mine
+                continue
+        shards = megatron_shards(plan, pl, [get(h) for h in pl.hf_names], dtype, expected)
         for t in tp_ranks:
             shard = _own(shards[etp_rank if own_etp_shard else t])
             for e in ep_ranks if pl.ep is None else [pl.ep]:
                 out[(t, pl.stage, e)][pl.name] = shard
     return out
+
+
+def own_shard(plan: Plan, pl: Placement, reader: Any, shard: int, dtype: torch.dtype | None) -> Tensor | None:
+    """One TP rank's tensor of a placement from slices of its HF tensors (`Mapping.read_plan`); None where
+    the mapping needs them whole (then `megatron_shards`)."""
+    m = pl.mapping
+    if m.te_replicated and plan.impl == "transformer_engine":
+        return None
+    tp = plan.layout.expert_tp if m.expert is not None else plan.layout.tp
+    shapes = [tuple(reader.shape(h)) for h in pl.hf_names]
+    wanted = m.read_plan(shard, tp, plan.shapes, shapes)
+    if wanted is None:
+        return None
+    parts = [[reader.get_slice(h, *cut) for cut in cuts] for h, cuts in zip(pl.hf_names, wanted)]
+    try:
+        t = m.from_parts(parts, shard, tp, plan.shapes, shapes)
+    except (RuntimeError, ValueError) as e:
+        described = ", ".join(f"{h} {s}" for h, s in zip(pl.hf_names, shapes))
+        raise ConversionError(f"{described}: does not fit the {plan.family.name} config ({e})") from None
+    return _own(t.to(dtype) if dtype is not None else t)
 
 
 def megatron_shards(plan: Plan, pl: Placement, hf: list[Tensor], dtype: torch.dtype | None,
@@ -334,15 +363,16 @@ def extra_state_names(plan: Plan, stage: int) -> set[str]:
 
 
 def load_hf_into_rank(model: torch.nn.Module, plan: Plan, get: Callable[[str], Tensor], hf_keys: Iterable[str],
-                      dtype: torch.dtype | None = None, keep: Iterable[str] = ()) -> None:
+                      dtype: torch.dtype | None = None, keep: Iterable[str] = (), reader: Any = None) -> None:
     """Fill this process's part of a freshly built model from HF tensors (read by name through `get`):
     only its pipeline stage's tensors are read, and it keeps its TP / EP (expert TP) slice. `keep`: Megatron
-    names whose values the model keeps (a reward head that starts fresh on a causal LM's backbone)."""
+    names whose values the model keeps (a reward head that starts fresh on a causal LM's backbone).
+    `reader`: read only this TP rank's slices where the mapping allows (`hf_to_megatron`)."""
     from megatron_patch.models.parallel import current_etp_rank, current_rank
 
     rank = current_rank()
     state = hf_to_megatron(plan, get, hf_keys, dtype, stages=[rank.pp], tp_ranks=[rank.tp], ep_ranks=[rank.ep],
-                           etp_rank=current_etp_rank())[rank]
+                           etp_rank=current_etp_rank(), reader=reader)[rank]
     if getattr(model, "hybrid_layer_pattern", None) is not None:  # a HybridModel (models/hybrid.py)
         from megatron_patch.models.hybrid import to_hybrid_names
 

@@ -110,10 +110,13 @@ class HFCheckpoint:
         entry = self._header(file)[name]
         return entry["shape"], _ST_DTYPES.get(entry["dtype"])
 
-    def get(self, name: str) -> Tensor:
+    def shape(self, name: str) -> tuple[int, ...]:
+        """A tensor's shape (from the header)."""
+        return tuple(self._meta(name)[0])
+
+    def _entry(self, name: str) -> tuple[str, int, list[int], torch.dtype, int]:
+        """(file, byte offset of the tensor's data, shape, dtype, data bytes) of a safetensors tensor."""
         file = self._where[name]
-        if file.endswith(".bin"):
-            return self._load_bin(file)[name]
         self._header(file)
         start, header = self._headers[file]
         entry = header[name]
@@ -121,16 +124,48 @@ class HFCheckpoint:
         if dtype is None:
             raise ConversionError(f"{file}: {name} has unsupported dtype {entry['dtype']}")
         begin, end = entry["data_offsets"]
-        buf = torch.empty(end - begin, dtype=torch.uint8)
-        view, done = memoryview(buf.numpy()), 0
+        return file, start + begin, entry["shape"], dtype, end - begin
+
+    @staticmethod
+    def _read(f, name: str, file: str, offset: int, view: memoryview) -> None:
+        f.seek(offset)
+        done = 0
+        while done < len(view):
+            got = f.readinto(view[done:])
+            if not got:
+                raise ConversionError(f"cannot read {name} from {file}: file ends early (truncated?)")
+            done += got
+
+    def get(self, name: str) -> Tensor:
+        file = self._where[name]
+        if file.endswith(".bin"):
+            return self._load_bin(file)[name]
+        file, offset, shape, dtype, nbytes = self._entry(name)
+        buf = torch.empty(nbytes, dtype=torch.uint8)
         with open(file, "rb", buffering=0) as f:
-            f.seek(start + begin)
-            while done < len(view):
-                got = f.readinto(view[done:])
-                if not got:
-                    raise ConversionError(f"cannot read {name} from {file}: file ends early (truncated?)")
-                done += got
-        return buf.view(dtype).reshape(entry["shape"])
+            self._read(f, name, file, offset, memoryview(buf.numpy()))
+        return buf.view(dtype).reshape(shape)
+
+    def get_slice(self, name: str, dim: int, start: int, stop: int) -> Tensor:
+        """`get(name)` narrowed to [start, stop) along `dim`, reading only those bytes: one read along dim 0,
+        one per row of the leading dims along another."""
+        file = self._where[name]
+        if file.endswith(".bin"):
+            return self._load_bin(file)[name].narrow(dim, start, stop - start)
+        file, offset, shape, dtype, _ = self._entry(name)
+        if not 0 <= start <= stop <= shape[dim]:
+            raise ConversionError(f"{name}: rows {start}:{stop} of dim {dim} are outside its shape {tuple(shape)}")
+        outer, inner = math.prod(shape[:dim]), math.prod(shape[dim + 1:]) * dtype.itemsize
+        out = list(shape)
+        out[dim] = stop - start
+        buf = torch.empty(outer * (stop - start) * inner, dtype=torch.uint8)
+        view, segment = memoryview(buf.numpy()), (stop - start) * inner
+        if segment:
+            with open(file, "rb", buffering=0) as f:
+                for o in range(outer):
+                    self._read(f, name, file, offset + (o * shape[dim] + start) * inner,
+                               view[o * segment:(o + 1) * segment])
+        return buf.view(dtype).reshape(out)
 
     def nbytes(self, dtype: torch.dtype | None = None) -> int:
         """Size of all tensors (floating-point ones counted in `dtype` if given), from the headers."""

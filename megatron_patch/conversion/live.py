@@ -78,32 +78,56 @@ def _gpt_state(model) -> dict[str, Tensor]:
     return state
 
 
+class _CountingReader:
+    """An HF folder's tensors, whole or in slices, counting what is read."""
+
+    def __init__(self, ckpt):
+        self.ckpt, self.tensors, self.bytes_read = ckpt, 0, 0
+
+    def _count(self, t: Tensor) -> Tensor:
+        self.tensors += 1
+        self.bytes_read += t.numel() * t.element_size()
+        return t
+
+    def get(self, name: str) -> Tensor:
+        return self._count(self.ckpt.get(name))
+
+    def get_slice(self, name: str, dim: int, start: int, stop: int) -> Tensor:
+        return self._count(self.ckpt.get_slice(name, dim, start, stop))
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.ckpt.shape(name)
+
+
+class _CountingMapping(_CountingReader):
+    """HF tensors held in memory by name (a streamed export), read whole."""
+
+    def __init__(self, tensors: MappingABC[str, Tensor]):
+        super().__init__(tensors)
+
+    def get(self, name: str) -> Tensor:
+        return self._count(self.ckpt[name])
+
+
 def load_hf_weights(model, hf_config: Any, source: str | MappingABC[str, Tensor], *,
                     dtype: torch.dtype | None = None) -> dict:
     """Fill this rank's part of `model` from `source`: an HF folder (only its pipeline stage's and EP rank's
-    tensors are read, one at a time, with positioned reads), or HF tensors in memory by name (a streamed
-    export: refreshing an inference model from a trained one). The weights are copied into the model's own
-    parameters (their storage stays: CUDA graphs captured on them stay valid). Returns {"tensors",
-    "bytes_read"} of this rank."""
+    tensors are read, and of those only this TP rank's slices where the mapping allows, with positioned
+    reads), or HF tensors in memory by name (a streamed export: refreshing an inference model from a trained
+    one). The weights are copied into the model's own parameters (their storage stays: CUDA graphs captured
+    on them stay valid). Returns {"tensors", "bytes_read"} of this rank (tensors: reads, slices counted)."""
     if isinstance(source, (str, os.PathLike)):
         from megatron_patch.conversion.hf_io import HFCheckpoint
 
         ckpt = HFCheckpoint(os.fspath(source))
-        fetch, keys = ckpt.get, ckpt.keys()
+        reader, keys = _CountingReader(ckpt), ckpt.keys()
     else:
-        fetch, keys = source.__getitem__, list(source.keys())
-    read = {"tensors": 0, "bytes_read": 0}
-
-    def get(name: str) -> Tensor:
-        t = fetch(name)
-        read["tensors"] += 1
-        read["bytes_read"] += t.numel() * t.element_size()
-        return t
-
+        reader, keys = _CountingMapping(source), list(source.keys())
     model = _unwrap(model)
     dtype = dtype or next(model.parameters()).dtype
-    load_hf_into_rank(model, live_plan(model, hf_config), get, keys, dtype)
-    return read
+    sliced = reader if isinstance(source, (str, os.PathLike)) else None
+    load_hf_into_rank(model, live_plan(model, hf_config), reader.get, keys, dtype, reader=sliced)
+    return {"tensors": reader.tensors, "bytes_read": reader.bytes_read}
 
 
 def _whole(plan: Plan, pl: Placement, local: Tensor) -> Tensor:

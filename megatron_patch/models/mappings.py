@@ -33,6 +33,14 @@ class Shapes:
         return self.num_query_groups // (self.hf_query_groups or self.num_query_groups)
 
 
+Slice = tuple[int, int, int]  # (dim, start, stop) of one HF tensor
+
+
+def _block(shard: int, tp: int, n: int) -> tuple[int, int]:
+    """Rank `shard`'s equal block of `n` rows split `tp` ways."""
+    return shard * n // tp, (shard + 1) * n // tp
+
+
 @dataclass(frozen=True)
 class Mapping:
     """One Megatron parameter <- one or more HF tensors. Subclasses override the four transforms."""
@@ -63,6 +71,17 @@ class Mapping:
 
     def unshard(self, shards: list[Tensor], s: Shapes) -> Tensor:
         return shards[0]
+
+    def read_plan(self, shard: int, tp: int, s: Shapes, hf_shapes: list[tuple[int, ...]]) -> list[list[Slice]] | None:
+        """What TP rank `shard` of `tp` needs of each HF tensor (shapes `hf_shapes`) to make its tensor alone:
+        per HF tensor, slices `(dim, start, stop)` read in that order (`from_parts` assembles them); None: the
+        whole tensors are needed (then `shard` of `to_megatron`). Lets a rank read ~1/TP of a checkpoint."""
+        return None
+
+    def from_parts(self, parts: list[list[Tensor]], shard: int, tp: int, s: Shapes,
+                   hf_shapes: list[tuple[int, ...]]) -> Tensor:
+        """TP rank `shard`'s tensor from the slices `read_plan` named; equal to `shard(to_megatron(hf))[shard]`."""
+        raise NotImplementedError
 
     def names(self, layer: int | None) -> tuple[str, tuple[str, ...]]:
         """(Megatron name, HF names) with the global layer (and expert) index."""
@@ -122,6 +141,14 @@ class Split(Mapping):
     def unshard(self, shards: list[Tensor], s: Shapes) -> Tensor:
         return torch.cat(shards, dim=self.dim)
 
+    def read_plan(self, shard, tp, s, hf_shapes):
+        if type(self) is not Split or hf_shapes[0][self.dim] % tp:  # (not divisible: the whole path's error)
+            return None
+        return [[(self.dim, *_block(shard, tp, hf_shapes[0][self.dim]))]]
+
+    def from_parts(self, parts, shard, tp, s, hf_shapes):
+        return parts[0][0]
+
 
 def ColumnParallel(hf: str, megatron: str) -> Split:
     return Split(hf, megatron, dim=0)
@@ -146,6 +173,19 @@ class VocabParallel(Split):
 
     def to_hf(self, full: Tensor, s: Shapes) -> list[Tensor]:
         return [full[: s.vocab_size]]
+
+    def read_plan(self, shard, tp, s, hf_shapes):
+        if hf_shapes[0][0] != s.vocab_size or s.padded_vocab_size % tp:
+            return None
+        start, stop = _block(shard, tp, s.padded_vocab_size)
+        start = min(start, s.vocab_size)  # a rank holding padding only reads no row (its dtype and width)
+        return [[(0, start, min(stop, s.vocab_size))]]
+
+    def from_parts(self, parts, shard, tp, s, hf_shapes):
+        start, stop = _block(shard, tp, s.padded_vocab_size)
+        real = parts[0][0]
+        pad = max(0, stop - max(start, s.vocab_size))
+        return torch.cat([real, real.new_zeros((pad, *real.shape[1:]))]) if pad else real
 
 
 class QKV(Split):
@@ -190,6 +230,30 @@ class QKV(Split):
     def to_hf(self, full: Tensor, s: Shapes) -> list[Tensor]:
         return self._to_qkv(full, s)
 
+    def _rank_rows(self, shard: int, tp: int, s: Shapes) -> tuple[tuple[int, int], tuple[int, int], Shapes] | None:
+        """(q rows, k / v rows, the rank's own Shapes) of TP rank `shard`'s whole query groups."""
+        g, d, r = s.num_query_groups, s.head_dim, s.kv_replicas
+        if g % tp or s.num_heads % g:
+            return None
+        first, last = shard * g // tp, (shard + 1) * g // tp - 1
+        kv_first, kv_last = first // r, last // r
+        groups, kv = g // tp, kv_last - kv_first + 1
+        if groups % kv:
+            return None
+        per_group = s.num_heads // g * d
+        local = dataclasses.replace(s, num_heads=s.num_heads // tp, num_query_groups=groups, hf_query_groups=kv)
+        return (first * per_group, (last + 1) * per_group), (kv_first * d, (kv_last + 1) * d), local
+
+    def read_plan(self, shard, tp, s, hf_shapes):
+        rows = self._rank_rows(shard, tp, s)
+        if rows is None:
+            return None
+        q, kv, _ = rows
+        return [[(0, *q)], [(0, *kv)], [(0, *kv)]]
+
+    def from_parts(self, parts, shard, tp, s, hf_shapes):
+        return self._from_qkv(parts[0][0], parts[1][0], parts[2][0], self._rank_rows(shard, tp, s)[2])
+
 
 class PackedQKV(QKV):
     """One HF tensor holding [all q heads; all k heads; all v heads] (Baichuan `W_pack`, Qwen-1
@@ -210,6 +274,17 @@ class PackedQKV(QKV):
 
     def to_hf(self, full: Tensor, s: Shapes) -> list[Tensor]:
         return [torch.cat(self._to_qkv(full, s), dim=0)]
+
+    def read_plan(self, shard, tp, s, hf_shapes):
+        rows = self._rank_rows(shard, tp, s)
+        if rows is None or hf_shapes[0][0] != sum(self._sizes(s)):
+            return None
+        (q0, q1), (k0, k1), _ = rows
+        nq, nkv = self._sizes(s)[:2]
+        return [[(0, q0, q1), (0, nq + k0, nq + k1), (0, nq + nkv + k0, nq + nkv + k1)]]
+
+    def from_parts(self, parts, shard, tp, s, hf_shapes):
+        return self._from_qkv(*parts[0], self._rank_rows(shard, tp, s)[2])
 
 
 class GroupedQKV(QKV):
@@ -232,6 +307,14 @@ class GroupedQKV(QKV):
         if s.kv_replicas == 1:
             return [full]
         return [self._from_qkv(*self._to_qkv(full, s), self._hf_shapes(s))]
+
+    def read_plan(self, shard, tp, s, hf_shapes):
+        if s.kv_replicas != 1 or hf_shapes[0][0] % tp:  # already megatron's order: whole groups per rank
+            return None
+        return [[(0, *_block(shard, tp, hf_shapes[0][0]))]]
+
+    def from_parts(self, parts, shard, tp, s, hf_shapes):
+        return parts[0][0]
 
 
 class GatedMLP(Mapping):
@@ -258,6 +341,18 @@ class GatedMLP(Mapping):
     def unshard(self, shards: list[Tensor], s: Shapes) -> Tensor:
         halves = [torch.chunk(t, 2, dim=0) for t in shards]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+
+    def read_plan(self, shard, tp, s, hf_shapes):
+        ffn = hf_shapes[0][0] // (2 if len(self.hf) == 1 else 1)
+        if ffn % tp or (len(self.hf) == 1 and hf_shapes[0][0] % 2) or len(set(hf_shapes)) != 1:
+            return None
+        start, stop = _block(shard, tp, ffn)
+        if len(self.hf) == 1:  # [gate; up] in one tensor
+            return [[(0, start, stop), (0, ffn + start, ffn + stop)]]
+        return [[(0, start, stop)], [(0, start, stop)]]
+
+    def from_parts(self, parts, shard, tp, s, hf_shapes):
+        return torch.cat([t for ts in parts for t in ts], dim=0)
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@
   per-stage mode gives each rank its own stage's tensors only, and the stages together give all;
 - `Bridge.save_hf` at TP2xPP2 writes what `mcore-to-hf` writes from the converter's checkpoint at that
   layout, bit for bit (tensors and config);
-- a rank reads only its stage's tensors (the bytes read are measured: at PP2 each rank reads its half);
+- a rank reads only its stage's tensors, and of those its TP slices (measured bytes: about 1 / (TP x PP));
 - the streamed export after a training step (a plain PyTorch optimizer, no megatron.training) equals the
   same step's weights exported at TP1 within the step's rounding (the TP1 run's optimizer step is the
   same arithmetic on whole tensors);
@@ -124,15 +124,16 @@ def test_export_gives_back_the_hf_tensors(cpu_megatron, variant, tp, pp, ep):
     assert sorted(union) == sorted(source)
 
 
-@pytest.mark.parametrize("variant,tp,pp,ep", [c for c in CASES if c[2] == 2])
-def test_a_rank_reads_its_stage_only(cpu_megatron, variant, tp, pp, ep):
-    """At PP2 a rank reads its stage's tensors: together the two stages read the checkpoint once (the tied
-    embedding twice: the last stage's output layer is its copy)."""
+@pytest.mark.parametrize("variant,tp,pp,ep", [c for c in CASES if c[1] * c[2] > 1])
+def test_a_rank_reads_its_share(cpu_megatron, variant, tp, pp, ep):
+    """A rank reads its pipeline stage's tensors only, and of those its TP slices (`Mapping.read_plan`): about
+    1 / (TP x PP) of the checkpoint each (a tied embedding is read by both end stages, norms by every TP
+    rank); the ranks of one model replica together read it all."""
     _, per_rank = _world()
-    r0 = per_rank[0][(variant, tp, pp, ep)]
-    last = per_rank[-1][(variant, tp, pp, ep)]
-    assert r0["bytes_read"] < r0["bytes"] and last["bytes_read"] < last["bytes"]
-    assert r0["bytes_read"] + last["bytes_read"] >= r0["bytes"]
+    reads = [results[(variant, tp, pp, ep)]["bytes_read"] for results in per_rank]
+    total = per_rank[0][(variant, tp, pp, ep)]["bytes"]
+    assert all(r <= 1.3 * total / (tp * pp) for r in reads), (reads, total)
+    assert sum(reads) >= total * len(reads) // (tp * pp * ep), (reads, total)  # EP ranks: their own experts
 
 
 @pytest.mark.parametrize("variant", ["gqa", "qwen2_moe"])
