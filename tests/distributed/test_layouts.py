@@ -1,5 +1,5 @@
 """TP=2, PP=2 and TP2xPP2 (gloo, 4 processes) give the same logits as TP=1 and as the transformers
-reference (<= 1e-5), for at least two configs of every family — one kv head (LLaMA MQA, Falcon-7B,
+reference (<= 1e-5), for a config of every family (two or more for most) — one kv head (LLaMA MQA, Falcon-7B,
 StarCoder) included, replicated to two query groups at TP=2; the mixture-of-experts families also at
 EP=2, TP2xEP2, PP2xEP2 and TP2xEP2 with whole (unsplit) experts, ETP=1 (each EP rank loads only its
 experts, numbered from 0, split over the expert-tensor-parallel ranks).

@@ -13,7 +13,7 @@ from tests.gpu.test_te import HAVE_TE, _record
 
 pytestmark = pytest.mark.skipif(not HAVE_TE, reason="needs a CUDA GPU and Transformer Engine")
 
-VARIANTS = ["qwen3", "mistral_swa", "starcoder2", "starcoder2_swa", "glm", "glm4", "chatglm2", "qwen1",
+VARIANTS = ["qwen2", "qwen3", "mistral_swa", "starcoder2", "starcoder2_swa", "glm", "glm4", "chatglm2", "qwen1",
             "baichuan2", "internlm2", "yi", "bloom", "bloom_6heads", "starcoder", "starcoder_mha", "baichuan2_13b",
             "falcon_7b", "falcon_40b", "falcon_11b", "gptj", "gpt_neox", "gpt_neox_seq", "attn_bias_only",
             "llama3_rope_4k"]

@@ -120,3 +120,23 @@ def test_registry_agrees_with_the_family_classes():
         assert tuple(family.architectures) == tuple(archs), (name, family.architectures, archs)
         for arch in archs:
             assert get_family(arch) is family, arch
+
+
+def test_every_family_is_tested_everywhere():
+    """Every registered family has a config in the HF-parity list (tests/models.py `all_variants`), the layout
+    list (tests/distributed/test_layouts.py) and the Transformer Engine list of the GPU suite
+    (tests/gpu/test_families_te.py): docs/adding-a-family.md."""
+    from megatron_patch.models.registry import families
+    from tests.distributed.test_layouts import VARIANTS as LAYOUTS
+    from tests.gpu.test_families_te import VARIANTS as TE
+    from tests.models import all_variants, any_config
+    from tests.remote import REMOTE_VARIANTS
+
+    def family(variant: str) -> str:
+        cfg = REMOTE_VARIANTS[variant]().cfg if variant in REMOTE_VARIANTS else any_config(variant)
+        return get_family(cfg).name
+
+    names = {v: family(v) for v in set(all_variants()) | set(LAYOUTS) | set(TE)}
+    for what, variants in (("parity", all_variants()), ("layouts", LAYOUTS), ("GPU TE", TE)):
+        missing = set(families()) - {names[v] for v in variants}
+        assert not missing, f"families without a config in the {what} list: {sorted(missing)}"
