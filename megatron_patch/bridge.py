@@ -101,13 +101,49 @@ class Bridge:
             raise ValueError("no HF weights: pass an HF folder or tensors (this Bridge was made from a config)")
         return load_hf_weights(model, self.hf_config, source, dtype=dtype)
 
-    def export_hf_weights(self, model, *, dtype: torch.dtype | None = None,
-                          per_stage: bool = False) -> Iterator[tuple[str, Tensor]]:
+    def export_hf_weights(self, model, *, dtype: torch.dtype | None = None, per_stage: bool = False,
+                          merge_lora: bool = True) -> Iterator[tuple[str, Tensor]]:
         """`(hf_name, tensor)` of the live model on every rank (all ranks iterate it, in step), on the
-        model's device; `per_stage=True`: each pipeline stage's tensors on that stage only."""
+        model's device; `per_stage=True`: each pipeline stage's tensors on that stage only. A LoRA model's
+        adapted weights come merged (W + alpha / r * B @ A) unless `merge_lora=False`."""
         from megatron_patch.conversion.live import export_hf_weights
 
-        return export_hf_weights(model, self.hf_config, dtype=dtype, per_stage=per_stage)
+        return export_hf_weights(model, self.hf_config, dtype=dtype, per_stage=per_stage, merge_lora=merge_lora)
+
+    def add_lora(self, model, *, rank: int, alpha: float | None = None, targets: tuple[str, ...] = ("all-linear",),
+                 dropout: float = 0.0, seed: int = 0) -> int:
+        """LoRA adapters on the model's linears (`targets`: linear_qkv, linear_proj, linear_fc1, linear_fc2 or
+        all-linear), PEFT's initialisation (the same adapter at every layout), everything else frozen; after
+        the base weights are loaded. Returns the number of adapted linears of this rank."""
+        from megatron_patch.conversion.live import live_plan
+        from megatron_patch.lora.adapters import LoRAConfig, apply_lora
+
+        cfg = LoRAConfig(rank=rank, alpha=alpha, dropout=dropout, targets=tuple(targets), seed=seed)
+        return len(apply_lora(model, self.hf_config, cfg, live_plan(model, self.hf_config)))
+
+    def lora_adapter(self, model):
+        """The model's LoRA adapter gathered whole on every rank (a collective), as `lora.peft.Adapter`:
+        `modules` {HF module: (A [r, in], B [out, r])}, `rank`, `alpha`; None without adapters."""
+        from megatron_patch.conversion.live import lora_adapter
+
+        return lora_adapter(model, self.hf_config)
+
+    def save_peft(self, model, out: str, *, overwrite: bool = False) -> dict | None:
+        """The model's LoRA adapter as a PEFT folder (`peft.PeftModel.from_pretrained(base, out)` loads it),
+        written by rank 0; every rank calls it. Rank 0 returns the summary, the others None."""
+        import torch.distributed as dist
+
+        from megatron_patch.conversion.live import live_plan
+        from megatron_patch.lora.peft import Adapter, write_peft
+
+        adapter = self.lora_adapter(model)
+        if adapter is None:
+            raise ValueError("the model has no LoRA adapters (add them with add_lora)")
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return None
+        cpu = Adapter({m: (a.cpu(), b.cpu()) for m, (a, b) in adapter.modules.items()}, adapter.rank, adapter.alpha,
+                      adapter.dropout)
+        return write_peft(out, cpu, live_plan(model, self.hf_config), base_model=self.hf_dir, overwrite=overwrite)
 
     def logits(self, model, tokens: Tensor) -> Tensor:
         """The model's full-vocabulary logits for `tokens` [batch, seq] (the same on every rank), float32, on

@@ -181,13 +181,90 @@ def _from_stage(tensors: list[tuple[str, Tensor]] | None, stage: int, device) ->
     return out
 
 
-def export_hf_weights(model, hf_config: Any, *, dtype: torch.dtype | None = None,
-                      per_stage: bool = False) -> Iterator[tuple[str, Tensor]]:
+def _whole_adapter(module, s, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+    """One slice's adapter (A [r, in], B [out, r]) in HF layout from every TP rank's part: a column-parallel
+    linear's B rows (this rank's HF rows: `s.index`), a row-parallel one's A columns; the other factor is
+    whole on every rank. A kv head replicated over TP ranks takes the first rank's rows."""
+    from megatron.core import parallel_state as ps
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    if tp == 1 or s.index is None:
+        return a, b
+    mine = (s.index.cpu(), (b if module.lora_site.mode == "column" else a).detach().cpu())
+    parts = [None] * tp
+    dist.all_gather_object(parts, mine, group=ps.get_tensor_model_parallel_group())
+    if module.lora_site.mode == "column":
+        whole = b.new_zeros((s.out, b.shape[1]), device="cpu")
+        for index, rows in reversed(parts):
+            whole[index] = rows
+        return a, whole.to(b.device)
+    whole = a.new_zeros((a.shape[0], s.inp), device="cpu")
+    for index, cols in reversed(parts):
+        whole[:, index] = cols
+    return whole.to(a.device), b
+
+
+def export_adapter_weights(model) -> Iterator[tuple[str, Tensor]]:
+    """A LoRA model's adapters, whole and in HF layout, keyed `<canonical linear>.lora_A.<HF module>` (global
+    layer index; `lora.peft.to_peft` names them as PEFT does), float32, on every rank (a collective)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_patch.lora.adapters import PREFIX_A, PREFIX_B, adapted_modules
+
+    model = _unwrap(model)
+    device = next(model.parameters()).device
+    me, pp = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
+    for stage in range(pp):
+        mine = None
+        if stage == me:
+            mine = []
+            for m in adapted_modules(model):
+                for s in m.lora_site.slices:
+                    a, b = _whole_adapter(m, s, m.lora_A[s.name].detach(), m.lora_B[s.name].detach())
+                    mine += [(f"{m.lora_site.canonical}.{PREFIX_A}.{s.name}", a.float().to(device)),
+                             (f"{m.lora_site.canonical}.{PREFIX_B}.{s.name}", b.float().to(device))]
+        if pp > 1:
+            mine = _from_stage(mine, stage, device)
+        yield from mine
+
+
+def lora_adapter(model, hf_config: Any):
+    """The model's LoRA adapter as `lora.peft.Adapter` (HF modules, rank, alpha), gathered on every rank;
+    None for a model without adapters (on every rank alike)."""
+    from megatron_patch.lora.adapters import adapted_modules
+    from megatron_patch.lora.peft import to_peft
+
+    tensors = dict(export_adapter_weights(model))
+    if not tensors:
+        return None
+    first = adapted_modules(_unwrap(model))
+    # rank and scaling are one LoRAConfig's on every module; a stage without adapters asks another
+    info = [(first[0].lora_rank, first[0].lora_scaling, getattr(first[0].lora_dropout, "p", 0.0))] if first else [None]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, info[0])
+        info = [next(i for i in gathered if i is not None)]
+    rank, scaling, dropout = info[0]
+    return to_peft(tensors, live_plan(model, hf_config), rank, scaling * rank, dropout)
+
+
+def export_hf_weights(model, hf_config: Any, *, dtype: torch.dtype | None = None, per_stage: bool = False,
+                      merge_lora: bool = True) -> Iterator[tuple[str, Tensor]]:
     """`(hf_name, tensor)` of the live model, on every rank (a collective: every rank of the world iterates
     it to the end, in step). `dtype` casts each tensor; `per_stage` keeps each stage's tensors on that
-    stage. Expert tensor parallelism different from TP is gathered over its own group."""
+    stage. Expert tensor parallelism different from TP is gathered over its own group. A LoRA model's
+    adapted weights come merged (W + alpha / r * B @ A, as `lora.export --save-merged` writes them) unless
+    `merge_lora=False` (the base weights)."""
     from megatron_patch.models.parallel import current_rank
 
+    adapter = lora_adapter(model, hf_config) if merge_lora else None
+    if adapter is not None:
+        from megatron_patch.lora.peft import merged
+
+        for name, t in export_hf_weights(model, hf_config, per_stage=per_stage, merge_lora=False):
+            t = merged(name, t, adapter)
+            yield name, (t.to(dtype) if dtype is not None else t)
+        return
     plan = live_plan(model, hf_config)
     state = _gpt_state(model)
     me = current_rank()

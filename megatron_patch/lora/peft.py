@@ -207,16 +207,22 @@ def merge_into(hf_get, hf_keys: list[str], adapter: Adapter) -> dict[str, Tensor
     if missing:
         raise LoRAError(f"the base model has no {missing[0]}.weight (an adapter for another base model?)")
     for name in hf_keys:
-        w = hf_get(name)
-        module = name[: -len(".weight")] if name.endswith(".weight") else None
-        if module in adapter.modules:
-            a, b = adapter.modules[module]
-            if tuple(w.shape) != (b.shape[0], a.shape[1]):
-                raise LoRAError(f"{module}: adapter B @ A is {b.shape[0]}x{a.shape[1]}, the base weight "
-                                f"{tuple(w.shape)} (an adapter for another base model?)")
-            w = (w.float() + adapter.scaling * (b.float() @ a.float())).to(w.dtype)
-        out[name] = w
+        out[name] = merged(name, hf_get(name), adapter)
     return out
+
+
+def merged(name: str, w: Tensor, adapter: Adapter) -> Tensor:
+    """The HF tensor `name` with its adapter merged (W + alpha / r * B @ A in fp32, stored in W's dtype), or as
+    it is when the adapter has no module for it."""
+    module = name[: -len(".weight")] if name.endswith(".weight") else None
+    if module not in adapter.modules:
+        return w
+    a, b = adapter.modules[module]
+    if tuple(w.shape) != (b.shape[0], a.shape[1]):
+        raise LoRAError(f"{module}: adapter B @ A is {b.shape[0]}x{a.shape[1]}, the base weight "
+                        f"{tuple(w.shape)} (an adapter for another base model?)")
+    a, b = a.to(w.device), b.to(w.device)
+    return (w.float() + adapter.scaling * (b.float() @ a.float())).to(w.dtype)
 
 
 def read_checkpoint_adapter(step_dir: str) -> dict[str, Tensor]:

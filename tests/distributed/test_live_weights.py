@@ -264,6 +264,95 @@ def test_refresh_in_place_from_a_streamed_export(cpu_megatron, variant, tmp_path
     assert storage == {n: p.data_ptr() for n, p in serving.named_parameters()}
 
 
+LORA_LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
+
+
+def _whole_adapter(hf_dir: str) -> dict:
+    """A random adapter (rank 4) for every adapted linear, whole and in HF layout, from a TP1 model's sites."""
+    from megatron_patch import Bridge
+    from megatron_patch.lora.adapters import PREFIX_A, PREFIX_B, adapted_modules
+
+    bridge = Bridge.from_hf(hf_dir)
+    model = bridge.build()
+    bridge.add_lora(model, rank=4, alpha=8.0)
+    g = torch.Generator().manual_seed(5)
+    out = {}
+    for m in adapted_modules(model):
+        for sl in m.lora_site.slices:
+            out[f"{m.lora_site.canonical}.{PREFIX_A}.{sl.name}"] = torch.randn(4, sl.inp, generator=g) * 0.1
+            out[f"{m.lora_site.canonical}.{PREFIX_B}.{sl.name}"] = torch.randn(sl.out, 4, generator=g) * 0.1
+    return out
+
+
+def _lora_checks(rank: int, root: str, adapters: str) -> dict:
+    from megatron_patch import Bridge, Layout
+    from megatron_patch.lora.adapters import load_adapter
+
+    whole = torch.load(adapters, weights_only=True)
+    out = {}
+    for tp, pp in LORA_LAYOUTS:
+        _cpu.init_model_parallel(tp, pp)
+        for variant in ("gqa", "tied"):
+            bridge = Bridge.from_hf(os.path.join(root, variant))
+            model = bridge.build(layout=Layout(tp=tp, pp=pp))
+            bridge.load_hf_weights(model)
+            bridge.add_lora(model, rank=4, alpha=8.0)
+            load_adapter(model, whole[variant])
+            adapter = bridge.lora_adapter(model)
+            out[(variant, tp, pp)] = {
+                "adapter": {m: (a.cpu(), b.cpu()) for m, (a, b) in adapter.modules.items()},
+                "rank_alpha": (adapter.rank, adapter.alpha),
+                "merged": dict(bridge.export_hf_weights(model)),
+                "base": dict(bridge.export_hf_weights(model, merge_lora=False)),
+            }
+            if (tp, pp) == (2, 2):
+                bridge.save_peft(model, os.path.join(root, f"peft-{variant}"), overwrite=True)
+    return out
+
+
+@functools.cache
+def _lora_world() -> tuple[str, dict, list]:
+    root, _ = _world()
+    whole = {v: _whole_adapter(os.path.join(root, v)) for v in ("gqa", "tied")}
+    path = os.path.join(root, "adapters.pt")
+    torch.save(whole, path)
+    return root, whole, _cpu.run_world(4, _lora_checks, root, path)
+
+
+@pytest.mark.parametrize("variant", ["gqa", "tied"])
+def test_lora_adapter_and_merged_export(cpu_megatron, variant):
+    """A LoRA model at TP1, TP2, PP2 and TP2xPP2 (adapters set from one whole HF-layout adapter): the gathered
+    adapter is that adapter in PEFT's terms bit for bit; the streamed export is the base merged with it as
+    `lora.export --save-merged` merges (`peft.merge_into`), bit for bit, and `merge_lora=False` gives the base;
+    `save_peft` at TP2xPP2 writes a PEFT folder holding the adapter."""
+    from megatron_patch.conversion.engine import make_plan
+    from megatron_patch.conversion.hf_io import HFCheckpoint, read_all
+    from megatron_patch.lora.peft import merge_into, read_peft, to_peft
+    from megatron_patch.models import load_hf_config
+
+    root, whole, per_rank = _lora_world()
+    hf_dir = os.path.join(root, variant)
+    want = to_peft(whole[variant], make_plan(load_hf_config(hf_dir)), 4, 8.0)
+    ckpt = HFCheckpoint(hf_dir)
+    merged = merge_into(ckpt.get, ckpt.keys(), want)
+    source = read_all(hf_dir)
+    assert any(not torch.equal(merged[k], source[k]) for k in source)  # the adapter changes the weights
+    for rank, results in enumerate(per_rank):
+        for tp, pp in LORA_LAYOUTS:
+            r = results[(variant, tp, pp)]
+            assert r["rank_alpha"] == (4, 8.0)
+            assert r["adapter"].keys() == want.modules.keys()
+            for m, (a, b) in want.modules.items():
+                assert torch.equal(r["adapter"][m][0], a) and torch.equal(r["adapter"][m][1], b), (rank, tp, pp, m)
+            assert r["merged"].keys() == merged.keys() and r["base"].keys() == source.keys()
+            assert [k for k in merged if not torch.equal(r["merged"][k], merged[k])] == [], (rank, tp, pp)
+            assert [k for k in source if not torch.equal(r["base"][k], source[k])] == [], (rank, tp, pp)
+    saved = read_peft(os.path.join(root, f"peft-{variant}"))
+    assert (saved.rank, saved.alpha) == (4, 8.0) and saved.modules.keys() == want.modules.keys()
+    assert all(torch.equal(saved.modules[m][0], a) and torch.equal(saved.modules[m][1], b)
+               for m, (a, b) in want.modules.items())
+
+
 def test_virtual_pipeline_chunks_are_refused_in_one_line(cpu_megatron):
     from megatron_patch import Bridge
     from tests.models import llama_config
