@@ -35,18 +35,16 @@ from megatron_patch.models.mappings import Mapping
 
 
 def _unwrap(model):
-    """The megatron-core model inside megatron.training's wrappers (DDP, Float16Module); megatron.training's
-    list of model chunks holds one without virtual pipeline stages."""
+    """The megatron-core model inside megatron.training's wrappers (DDP, FSDP, Float16Module: megatron-core's
+    `unwrap_model`); megatron.training's list of model chunks holds one without virtual pipeline stages."""
+    from megatron.core.utils import unwrap_model
+
     if isinstance(model, (list, tuple)):
         if len(model) != 1:
             raise ValueError(f"{len(model)} model chunks (virtual pipeline stages): not supported yet; pass "
                              "the model of a run without --num-layers-per-virtual-pipeline-stage")
         model = model[0]
-    while hasattr(model, "module") and not hasattr(model, "config"):
-        model = model.module
-    while hasattr(model, "module") and hasattr(model.module, "config"):
-        model = model.module
-    return model
+    return unwrap_model(model)
 
 
 def current_layout(make_vocab_size_divisible_by: int = 128) -> Layout:
@@ -78,8 +76,9 @@ def _gpt_state(model) -> dict[str, Tensor]:
     return state
 
 
-class _CountingReader:
-    """An HF folder's tensors, whole or in slices, counting what is read."""
+class CountingReader:
+    """An HF folder's tensors (an `HFCheckpoint`), whole or in slices, counting what is read: the `reader` of
+    `engine.hf_to_megatron`."""
 
     def __init__(self, ckpt):
         self.ckpt, self.tensors, self.bytes_read = ckpt, 0, 0
@@ -99,7 +98,7 @@ class _CountingReader:
         return self.ckpt.shape(name)
 
 
-class _CountingMapping(_CountingReader):
+class _CountingMapping(CountingReader):
     """HF tensors held in memory by name (a streamed export), read whole."""
 
     def __init__(self, tensors: MappingABC[str, Tensor]):
@@ -120,12 +119,12 @@ def load_hf_weights(model, hf_config: Any, source: str | MappingABC[str, Tensor]
         from megatron_patch.conversion.hf_io import HFCheckpoint
 
         ckpt = HFCheckpoint(os.fspath(source))
-        reader, keys = _CountingReader(ckpt), ckpt.keys()
+        reader, keys = CountingReader(ckpt), ckpt.keys()
+        sliced = reader  # a folder is read in slices where the mapping allows
     else:
-        reader, keys = _CountingMapping(source), list(source.keys())
+        reader, keys, sliced = _CountingMapping(source), list(source.keys()), None
     model = _unwrap(model)
     dtype = dtype or next(model.parameters()).dtype
-    sliced = reader if isinstance(source, (str, os.PathLike)) else None
     load_hf_into_rank(model, live_plan(model, hf_config), reader.get, keys, dtype, reader=sliced)
     return {"tensors": reader.tensors, "bytes_read": reader.bytes_read}
 
@@ -237,14 +236,14 @@ def lora_adapter(model, hf_config: Any):
     tensors = dict(export_adapter_weights(model))
     if not tensors:
         return None
-    first = adapted_modules(_unwrap(model))
     # rank and scaling are one LoRAConfig's on every module; a stage without adapters asks another
-    info = [(first[0].lora_rank, first[0].lora_scaling, getattr(first[0].lora_dropout, "p", 0.0))] if first else [None]
+    m = next(iter(adapted_modules(_unwrap(model))), None)
+    info = (m.lora_rank, m.lora_scaling, getattr(m.lora_dropout, "p", 0.0)) if m is not None else None
     if dist.is_initialized() and dist.get_world_size() > 1:
         gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, info[0])
-        info = [next(i for i in gathered if i is not None)]
-    rank, scaling, dropout = info[0]
+        dist.all_gather_object(gathered, info)
+        info = next(i for i in gathered if i is not None)
+    rank, scaling, dropout = info
     return to_peft(tensors, live_plan(model, hf_config), rank, scaling * rank, dropout)
 
 

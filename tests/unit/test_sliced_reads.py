@@ -24,27 +24,10 @@ def _folders() -> dict[str, str]:
     return {v: save_case(case(v), os.path.join(root, v)) for v in VARIANTS}
 
 
-class _Counting:
-    def __init__(self, ckpt):
-        self.ckpt, self.bytes = ckpt, 0
-
-    def get(self, name):
-        t = self.ckpt.get(name)
-        self.bytes += t.nbytes
-        return t
-
-    def get_slice(self, name, dim, start, stop):
-        t = self.ckpt.get_slice(name, dim, start, stop)
-        self.bytes += t.nbytes
-        return t
-
-    def shape(self, name):
-        return self.ckpt.shape(name)
-
-
 def _convert(variant: str, layout, reader: bool) -> tuple[dict, list[int]]:
     from megatron_patch.conversion.engine import hf_to_megatron, make_plan
     from megatron_patch.conversion.hf_io import HFCheckpoint
+    from megatron_patch.conversion.live import CountingReader
     from megatron_patch.models import Layout, load_hf_config
 
     tp, pp, ep, etp = layout
@@ -54,11 +37,11 @@ def _convert(variant: str, layout, reader: bool) -> tuple[dict, list[int]]:
     for p in range(pp):
         for e in range(ep):
             for t in range(tp):
-                src = _Counting(HFCheckpoint(folder))
+                src = CountingReader(HFCheckpoint(folder))
                 etp_rank = t % (etp or tp)  # megatron's expert-TP rank of TP rank t (ETP divides TP)
                 out.update(hf_to_megatron(plan, src.get, src.ckpt.keys(), stages=[p], tp_ranks=[t], ep_ranks=[e],
                                           etp_rank=etp_rank, reader=src if reader else None))
-                read.append(src.bytes)
+                read.append(src.bytes_read)
     return out, read
 
 
