@@ -16,7 +16,7 @@ import socket
 import stat
 import sys
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import TextIO
 
 PARTIAL = ".partial-"
@@ -50,25 +50,39 @@ def _location_problem(out: str) -> str | None:
     return None
 
 
-def check_output(out: str, overwrite: bool = False, sources: Iterable[str | None] = ()) -> str:
-    """Refuse, before any work, an output folder that cannot or must not be written: it exists (without
-    `overwrite`), it is an input, holds one (replacing it would delete the input) or is an existing part of
-    one (e.g. a checkpoint's hf/ folder), or its parent is missing, a file, or not writable. Returns the
-    absolute path."""
+def check_output(out: str, overwrite: bool = False, sources: Iterable[str | None] | Mapping[str, str | None] = (),
+                 *, flag: str | None = None, overwrite_flag: str | None = "--overwrite",
+                 outputs: Mapping[str, str | None] | None = None, created_first: Iterable[str | None] = ()) -> str:
+    """Refuse, before any work, an output folder that cannot or must not be written: it is an input, holds
+    one (replacing it would delete the input) or is an existing part of one (e.g. a checkpoint's hf/ folder);
+    it is or holds another output of the same command (`outputs`, by flag, existing yet or not); it exists
+    (without `overwrite`); or its parent is missing, a file, or not writable (unless the parent is or holds
+    one of `created_first`, folders the command creates with their parents before writing `out`, e.g. a
+    training run's --save). Every tool that writes calls this one check. `sources`: the input paths, or
+    {flag: path}; `flag`: the output's option, named in the errors; `overwrite_flag`: the option that allows
+    replacing an existing output (None: the tool has none). Returns the absolute path."""
     out = os.path.abspath(out)
-    for src in sources:
+    who, choose = (f"{flag} {out}", f"choose another {flag}") if flag else (f"the output {out}", "choose another --out")
+    named = sources.items() if isinstance(sources, Mapping) else ((None, s) for s in sources)
+    for src_flag, src in named:
+        what = f"the input {src}" + (f" ({src_flag})" if src_flag else "")
         if src and os.path.exists(src) and _inside(src, out):
-            what = "is" if os.path.realpath(src) == os.path.realpath(out) else "holds"
-            raise ValueError(f"the output {out} {what} the input {src}: writing it would destroy the input; "
-                             "choose another --out")
+            rel = "is" if os.path.realpath(src) == os.path.realpath(out) else "holds"
+            raise ValueError(f"{who} {rel} {what}: writing it would destroy the input; {choose}")
         if src and os.path.isdir(src) and os.path.lexists(out) and _inside(out, src):
-            raise ValueError(f"the output {out} is part of the input {src}: replacing it would change the input; "
-                             "choose another --out")
+            raise ValueError(f"{who} is part of {what}: replacing it would change the input; {choose}")
+    for other_flag, other in (outputs or {}).items():
+        if other and _inside(other, out):
+            rel = "is" if os.path.realpath(other) == os.path.realpath(out) else "holds"
+            raise ValueError(f"{who} {rel} the {other_flag} folder {os.path.abspath(other)}, which this run also "
+                             f"writes; {choose}")
     if os.path.lexists(out) and not overwrite:
-        raise FileExistsError(f"output {out} already exists (pass --overwrite to replace it)")
-    problem = _location_problem(out)
+        hint = f" (pass {overwrite_flag} to replace it)" if overwrite_flag else f"; {choose} or remove it"
+        raise FileExistsError(f"{flag + ' ' if flag else 'output '}{out} already exists{hint}")
+    made_first = any(folder and _inside(folder, os.path.dirname(out)) for folder in created_first)
+    problem = None if made_first else _location_problem(out)
     if problem:
-        raise ValueError(f"cannot create {out}: {problem}")
+        raise ValueError(f"cannot create {flag + ' ' if flag else ''}{out}: {problem}")
     return out
 
 
@@ -165,7 +179,8 @@ def _writable_error(e: OSError, tmp: str, out: str) -> OSError:
 
 
 @contextlib.contextmanager
-def atomic_output_dir(out: str, overwrite: bool = False, sources: Iterable[str | None] = ()) -> Iterator[str]:
+def atomic_output_dir(out: str, overwrite: bool = False,
+                      sources: Iterable[str | None] | Mapping[str, str | None] = ()) -> Iterator[str]:
     """Yield a fresh temporary folder beside `out`; on success it replaces `out`, on any error
     (Ctrl-C and SIGTERM included) it is removed and `out` is left as it was. `sources`: inputs that
     `out` must not be or contain."""

@@ -82,6 +82,7 @@ class MegatronCheckpoint:
         manifest = read_manifest(path) if os.path.isfile(os.path.join(path, MANIFEST)) else {}
         divisible_by = int(manifest.get("make_vocab_size_divisible_by", 128))
         if fmt == "torch_dist":
+            refuse_adapter_checkpoint(path, step_dir)
             dtype, rows, args, qkv_rows = torch_dist_info(step_dir)
             tp = int(getattr(args, "tensor_model_parallel_size", 1))
             pp = int(getattr(args, "pipeline_model_parallel_size", 1))
@@ -161,6 +162,20 @@ class MegatronCheckpoint:
             for group in groups.values():  # one layer's HF tensors at a time next to the stage
                 yield placements_to_hf(plan, group, ranks, dtype)
             del ranks
+
+
+def refuse_adapter_checkpoint(path: str, step_dir: str) -> None:
+    """A LoRA run's checkpoint holds its adapters only (the base stays in the run's --load-hf folder): every tool
+    that reads a model from a Megatron checkpoint says so, naming the export that merges the two."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from megatron_patch.lora.adapters import is_adapter_key
+
+    keys = FileSystemReader(step_dir).read_metadata().state_dict_metadata
+    if "embedding.word_embeddings.weight" not in keys and any(is_adapter_key(k) for k in keys):
+        raise ConversionError(f"{path} is a LoRA checkpoint: it holds the adapters, not the model; merge them into "
+                              f"their base first: python -m megatron_patch.lora.export --load {path} --save-merged "
+                              "DIR, then use the HF folder DIR (--hf-dir DIR)")
 
 
 def load_megatron_model(ckpt_dir: str, *, layout: Layout = Layout(), impl: str | None = None,

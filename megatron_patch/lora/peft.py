@@ -31,6 +31,7 @@ class Adapter:
     rank: int
     alpha: float
     dropout: float = 0.0
+    base_model: str | None = None  # the PEFT config's base_model_name_or_path: the model it was made for
 
     @property
     def scaling(self) -> float:
@@ -106,10 +107,26 @@ def from_peft(adapter: Adapter, plan) -> dict[str, Tensor]:
 
 
 def megatron_targets(adapter: Adapter, plan) -> tuple[tuple[str, ...], frozenset[str]]:
-    """(megatron targets, HF module names) an imported adapter covers."""
+    """(megatron targets, HF module names) an imported adapter covers. LoRA adapts an HF module name (q_proj)
+    wherever the model has it: an adapter on some of those modules only (PEFT's target_modules as a regex
+    naming some layers, or layers_to_transform) is refused, naming an HF module it lacks."""
     index = _megatron_index(plan)
+    names = {index[m][1] for m in adapter.modules if m in index}
+    lacking = sorted((m for m, (_, name) in index.items() if name in names and m not in adapter.modules),
+                     key=_natural)
+    if lacking:
+        name = index[lacking[0]][1]
+        has = sorted((m for m in adapter.modules if m in index and index[m][1] == name), key=_natural)
+        raise LoRAError(f"the adapter has {has[0]} but not {lacking[0]}: LoRA here adapts {name} in every layer "
+                        f"that has it (an adapter on some layers only, from a target_modules regex or "
+                        f"layers_to_transform, is not supported)")
     targets = {index[m][0].rsplit(".", 1)[-1] for m in adapter.modules if m in index}
-    return tuple(t for t in TARGETS if t in targets), frozenset(index[m][1] for m in adapter.modules if m in index)
+    return tuple(t for t in TARGETS if t in targets), frozenset(names)
+
+
+def _natural(name: str) -> list:
+    """Sort key: layer numbers as numbers (layers.2 before layers.10)."""
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
 
 
 def _target_modules(modules: list[str], plan) -> list[str] | str:
@@ -120,7 +137,10 @@ def _target_modules(modules: list[str], plan) -> list[str] | str:
     if {m for m in all_modules if m.rsplit(".", 1)[-1] in leaves} == set(modules):
         return leaves
     patterns = sorted({re.sub(r"\\\.\d+\\\.", r"\\.\\d+\\.", re.escape(m)) for m in modules})
-    return "|".join(f"(?:{p})" for p in patterns)
+    regex = "|".join(f"(?:{p})" for p in patterns)
+    if {m for m in all_modules if re.fullmatch(regex, m)} != set(modules):  # some layers only: name them all
+        regex = "|".join(f"(?:{re.escape(m)})" for m in modules)
+    return regex
 
 
 def write_peft(out: str, adapter: Adapter, plan, base_model: str | None = None, overwrite: bool = False) -> dict:
@@ -173,6 +193,7 @@ def read_peft(folder: str) -> Adapter:
         (config.get("bias", "none") != "none", f"trained biases (bias={config.get('bias')})"),
         (bool(config.get("modules_to_save")), "modules_to_save"),
         (bool(config.get("fan_in_fan_out")), "fan_in_fan_out"),
+        (bool(config.get("lora_bias")), "lora_bias=True (a trained bias on lora_B)"),
         (config.get("layers_to_transform") is not None, "layers_to_transform"),
     ]
     for bad, what in refusals:
@@ -196,7 +217,44 @@ def read_peft(folder: str) -> Adapter:
         if f[PREFIX_A].shape[0] != r or f[PREFIX_B].shape[1] != r:
             raise LoRAError(f"{folder}: {module} has rank {f[PREFIX_A].shape[0]}, the config says r={r}")
     return Adapter({m: (f[PREFIX_A], f[PREFIX_B]) for m, f in modules.items()}, r, float(alpha),
-                   float(config.get("lora_dropout") or 0.0))
+                   float(config.get("lora_dropout") or 0.0), config.get("base_model_name_or_path") or None)
+
+
+# config.json keys that state an architecture's sizes and counts (hidden_size, num_attention_heads, head_dim,
+# vocab_size, n_routed_experts, ...): two models that differ in one are different models
+_ARCHITECTURE_KEY = re.compile(r"^(model_type|num_\w+|n_\w+|\w+_(size|dim|heads|layers|experts))$")
+
+
+def _architecture(config: dict) -> dict:
+    return {k: v for k, v in config.items()
+            if _ARCHITECTURE_KEY.match(k) and isinstance(v, (int, str)) and not isinstance(v, bool)}
+
+
+def check_base(adapter: str, made_for: str | None, base: str, made_for_config: dict | None = None) -> None:
+    """An adapter (`adapter`: its folder or checkpoint, named in messages) made for `made_for` (a PEFT config's
+    base_model_name_or_path, a LoRA run's --load-hf), applied to the HF folder `base`. Refused when the model it
+    was made for has another architecture than `base` (`made_for_config`, or `made_for`'s config.json when it is
+    a folder here; the first differing size or count is named), though every adapted shape may fit; a warning
+    on stderr when `made_for` is a name that cannot be read here (a hub id) and not `base`'s folder name."""
+    import sys
+
+    from megatron_patch.models import load_hf_config
+
+    if not made_for or os.path.realpath(made_for) == os.path.realpath(base):
+        return
+    if made_for_config is None and os.path.isfile(os.path.join(made_for, "config.json")):
+        made_for_config = load_hf_config(made_for)
+    if made_for_config is not None:
+        theirs, ours = _architecture(made_for_config), _architecture(load_hf_config(base))
+        diff = [k for k in sorted(theirs) if k in ours and theirs[k] != ours[k]]
+        if diff:
+            k = diff[0]
+            raise LoRAError(f"{adapter} was made for {made_for} ({k} {theirs[k]}), not for the base {base} ({k} "
+                            f"{ours[k]}): an adapter for another model")
+        return
+    if os.path.basename(made_for.rstrip("/")) != os.path.basename(os.path.realpath(base)):
+        print(f"warning: {adapter} was made for {made_for} (base_model_name_or_path); it is applied to {base}: its "
+              "shapes fit, but check that this is the model it was trained on", file=sys.stderr)
 
 
 def merge_into(hf_get, hf_keys: list[str], adapter: Adapter) -> dict[str, Tensor]:

@@ -36,29 +36,38 @@ def add_lora_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="train LoRA adapters of rank R on a frozen base (from --load-hf); only the adapters train "
                         "and are checkpointed")
     g.add_argument("--lora-alpha", type=float, metavar="A", help="LoRA alpha; the update is scaled by alpha / rank "
-                                                                 "(default: the rank, scaling 1)")
-    g.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the adapters' input (default 0)")
-    g.add_argument("--lora-target", nargs="+", default=[ALL_LINEAR], metavar="NAME",
+                                                                 "(default: the rank, scaling 1; needs --lora-rank)")
+    g.add_argument("--lora-dropout", type=float, metavar="P",
+                   help="dropout on the adapters' input (default 0; needs --lora-rank)")
+    g.add_argument("--lora-target", nargs="+", metavar="NAME",
                    help=f"megatron linears to adapt: {', '.join(TARGETS)} or {ALL_LINEAR} (default; routed MoE "
-                        "experts are never adapted)")
+                        "experts are never adapted; needs --lora-rank)")
     g.add_argument("--lora-import", metavar="DIR", help="start the adapters from a PEFT LoRA folder "
                                                         "(adapter_config.json + adapter_model.safetensors); its rank, "
                                                         "alpha and modules are used")
     g.add_argument("--save-peft", metavar="DIR", help="at the end, export the adapters as a PEFT LoRA folder "
-                                                      "(needs --save; --save-hf then writes the merged model)")
+                                                      "(needs --save; --save-hf then writes the merged model; like "
+                                                      "--save-hf, checked at start: a new folder, not --save nor an "
+                                                      "input)")
     return parser
 
 
-def check_lora_args(args: argparse.Namespace) -> None:
-    """The LoRA options fit together (ValueError naming the flag); settles rank and alpha into `args`
-    (stored with the checkpoint, read by the export)."""
+def check_lora_args(args: argparse.Namespace, hf_config: Any = None) -> None:
+    """The LoRA options fit together (ValueError naming the flag) and a --lora-import adapter fits the
+    --load-hf base (`hf_config`: its modules and layers; the base it was made for); settles rank, alpha, dropout
+    and targets into `args` (stored with the checkpoint, read by the export)."""
     args.lora = args.lora_rank is not None or bool(args.lora_import)
     if not args.lora:
+        given = [flag for flag, value in (("--lora-alpha", args.lora_alpha), ("--lora-target", args.lora_target),
+                                          ("--lora-dropout", args.lora_dropout)) if value is not None]
+        if given:
+            raise ValueError(f"{given[0]} needs --lora-rank R (or --lora-import DIR): without it the run trains "
+                             "every weight, not LoRA adapters")
         if args.save_peft:
             raise ValueError("--save-peft exports LoRA adapters: it needs --lora-rank or --lora-import")
         return
     if args.lora_import:
-        from megatron_patch.lora.peft import read_peft
+        from megatron_patch.lora.peft import check_base, read_peft
 
         imported = read_peft(args.lora_import)
         if args.lora_rank is not None and args.lora_rank != imported.rank:
@@ -66,6 +75,14 @@ def check_lora_args(args: argparse.Namespace) -> None:
         if args.lora_alpha is not None and args.lora_alpha != imported.alpha:
             raise ValueError(f"--lora-alpha {args.lora_alpha} differs from the imported adapter's {imported.alpha}")
         args.lora_rank, args.lora_alpha = imported.rank, imported.alpha
+        if args.load_hf and os.path.isdir(args.load_hf):
+            check_base(args.lora_import, imported.base_model, args.load_hf)
+        if hf_config is not None:
+            from megatron_patch.conversion.engine import make_plan
+
+            _imported_modules(args.lora_import, imported, make_plan(hf_config))
+    args.lora_dropout = 0.0 if args.lora_dropout is None else args.lora_dropout
+    args.lora_target = args.lora_target or [ALL_LINEAR]
     if args.lora_rank <= 0:
         raise ValueError(f"--lora-rank must be a positive integer, got {args.lora_rank}")
     args.lora_alpha = float(args.lora_rank if args.lora_alpha is None else args.lora_alpha)
@@ -80,22 +97,30 @@ def check_lora_args(args: argparse.Namespace) -> None:
         (bool(args.save) and args.ckpt_format != "torch_dist",
          f"--ckpt-format {args.ckpt_format}: LoRA checkpoints are torch_dist (the default)"),
         (bool(args.save_peft) and not args.save, "--save-peft exports the final checkpoint: it needs --save DIR"),
-        (bool(args.save_peft) and os.path.exists(args.save_peft or ""), f"--save-peft {args.save_peft} already exists"),
     ]
     for bad, message in refused:
         if bad:
             raise ValueError(message)
 
 
+def _imported_modules(folder: str, imported, plan) -> tuple[dict, tuple[str, ...], frozenset[str]]:
+    """(canonical tensors, megatron targets, HF module names) of an imported PEFT adapter on the model of
+    `plan` (any layout: names only); an adapter that does not fit is an error naming `folder`."""
+    from megatron_patch.lora.peft import from_peft, megatron_targets
+
+    try:
+        return from_peft(imported, plan), *megatron_targets(imported, plan)
+    except LoRAError as e:
+        raise LoRAError(f"--lora-import {folder}: {e}") from None
+
+
 def lora_config(args: argparse.Namespace, plan) -> tuple[LoRAConfig, dict | None]:
     """(config, imported canonical tensors or None) from the settled arguments."""
     modules, tensors, targets = None, None, tuple(args.lora_target)
     if args.lora_import:
-        from megatron_patch.lora.peft import from_peft, megatron_targets, read_peft
+        from megatron_patch.lora.peft import read_peft
 
-        imported = read_peft(args.lora_import)
-        tensors = from_peft(imported, plan)
-        targets, modules = megatron_targets(imported, plan)
+        tensors, targets, modules = _imported_modules(args.lora_import, read_peft(args.lora_import), plan)
     return LoRAConfig(args.lora_rank, args.lora_alpha, args.lora_dropout, targets, args.seed, modules), tensors
 
 
@@ -128,10 +153,15 @@ def adapt(model: torch.nn.Module, args: argparse.Namespace, hf_config: Any, fami
     adapter_only_checkpoints(model)
     trainable, total = count_parameters(model)
     if ps.get_data_parallel_rank() == 0:
+        # the linears adapted on this stage, not the targets asked for: all-linear on Mixtral names linear_fc1,
+        # which there exists only in routed experts
+        adapted = [t for t in TARGETS if any(s.path.rsplit(".", 1)[-1] == t for s in sites)]
+        what = ", ".join(adapted) or "none on this stage"
+        if plan.num_experts:
+            what += "; routed experts are not adapted"
         print(f"LoRA: {trainable:,} trainable parameters of {total:,} ({100 * trainable / max(total, 1):.3f}%) on "
               f"TP rank {ps.get_tensor_model_parallel_rank()}, PP rank {ps.get_pipeline_model_parallel_rank()}: "
-              f"rank {cfg.rank}, alpha {args.lora_alpha}, {len(sites)} adapted linears "
-              f"({', '.join(cfg.targets)})", flush=True)
+              f"rank {cfg.rank}, alpha {args.lora_alpha}, {len(sites)} adapted linears ({what})", flush=True)
 
 
 class AdapterCheckpoint:

@@ -6,7 +6,8 @@ itself is built by the family (`megatron_patch.training.model`).
 
 Checked here, before megatron initialises (each a ValueError naming the flag): a machine without a CUDA
 GPU (unless `--cpu`), settings `--cpu` cannot run, numeric flags out of range, missing data or
-tokenizer, and dataset splits that hold no document (megatron's dataset builder would loop forever).
+tokenizer, dataset splits that hold no document (megatron's dataset builder would loop forever), and the
+export folders (`--save-hf`, `--save-peft`) against `--save` and the inputs.
 Kept in one module (over 400 lines) because these steps run in one order before megatron validates the
 arguments: machine and --cpu, numbers, architecture, precision, throughput profile, data and splits,
 schedule, tokenizer.
@@ -41,7 +42,8 @@ def add_patch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                                                     "step; each rank reads only its own shard); implies --hf-config "
                                                     "DIR, and its tokenizer is the default")
     g.add_argument("--save-hf", metavar="DIR", help="export the final model to this HF folder (safetensors + config); "
-                                                    "needs --save")
+                                                    "needs --save; checked at start: a new folder, neither --save, "
+                                                    "its hf/, nor an input")
     g.add_argument("--precision", choices=PRECISIONS,
                    help="one switch for the numeric format: bf16/fp16 (Megatron's --bf16/--fp16), fp8 (bf16 with "
                         "Transformer Engine FP8 GEMMs: --fp8-format, default hybrid; --fp8-recipe, default delayed) "
@@ -233,11 +235,10 @@ def parse_args(argv: list[str] | None = None, extra_args_provider=None, indexed_
     settle_schedule(args, no_validation, given)
     if args.save_hf and not args.save:
         raise ValueError("--save-hf exports the final checkpoint: it needs --save DIR")
-    if args.save_hf and os.path.exists(args.save_hf):
-        raise ValueError(f"--save-hf {args.save_hf} already exists")
     from megatron_patch.lora.training import check_lora_args
 
-    check_lora_args(args)
+    check_lora_args(args, hf_config)
+    check_exports(args)
     default_tokenizer(args)
     if adjust is not None:
         adjust(args)
@@ -356,6 +357,29 @@ def check_numbers(args: argparse.Namespace) -> None:
             raise ValueError(f"--{key.replace('_', '-')} must be below 1, got {value}")
     if args.lr is not None and args.min_lr > args.lr:
         raise ValueError(f"--min-lr {args.min_lr} is above --lr {args.lr}")
+
+
+def check_exports(args: argparse.Namespace) -> None:
+    """--save-hf and --save-peft, written from --save after training, are checked now with the converter's own
+    output check (`atomic.check_output`): each must be a new folder (the entry points have no --overwrite), not
+    an input (--load-hf, --load, --hf-config, --lora-import, --tokenizer-model) nor holding one, and neither be
+    nor hold --save or the other export. Inside --save (e.g. --save OUT --save-hf OUT/hf_final) an export may
+    lie, but not where the checkpoints keep their own files (OUT/hf, OUT/iter_*, OUT/release)."""
+    from megatron_patch.conversion.atomic import check_output
+
+    sources = {"--load-hf": args.load_hf, "--load": args.load, "--hf-config": args.hf_config,
+               "--lora-import": getattr(args, "lora_import", None), "--tokenizer-model": args.tokenizer_model}
+    exports = {"--save-hf": args.save_hf, "--save-peft": getattr(args, "save_peft", None)}
+    for flag, out in exports.items():
+        if not out:
+            continue
+        others = {"--save": args.save, **{f: o for f, o in exports.items() if f != flag}}
+        check_output(out, False, sources, flag=flag, overwrite_flag=None, outputs=others, created_first=[args.save])
+        if args.save and not os.path.relpath(os.path.abspath(out), os.path.abspath(args.save)).startswith(".."):
+            first = os.path.relpath(os.path.abspath(out), os.path.abspath(args.save)).split(os.sep)[0]
+            if first in (HF_SUBDIR, TRACKER, "release") or first.startswith("iter_"):
+                raise ValueError(f"{flag} {out} is where the --save folder {args.save} keeps its checkpoints' own "
+                                 f"files ({first}); choose another {flag}")
 
 
 def default_tokenizer(args: argparse.Namespace) -> None:

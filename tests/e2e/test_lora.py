@@ -217,6 +217,177 @@ def test_bad_input_is_a_clear_error(cpu_megatron, tmp_path):
     assert not os.path.exists(tmp_path / "nan_peft")
 
 
+def _adapt(cfg, **lora):
+    """The training entry points' LoRA step (`lora.training.adapt`) on a freshly built model of `cfg`, at TP=PP=1;
+    `lora` overrides the settled --lora-* arguments."""
+    import argparse
+
+    from megatron_patch.lora.training import adapt
+    from megatron_patch.models import build_model, get_family
+
+    args = argparse.Namespace(model_class="gpt", tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                              make_vocab_size_divisible_by=128, expert_model_parallel_size=1,
+                              expert_tensor_parallel_size=None, transformer_impl="local", padded_vocab_size=None,
+                              lora_rank=RANK, lora_alpha=ALPHA, lora_dropout=0.0, lora_target=["all-linear"],
+                              lora_import=None, seed=0, resuming=False)
+    for k, v in lora.items():
+        setattr(args, k, v)
+    model = build_model(cfg)
+    adapt(model, args, cfg, get_family(cfg))
+    return model
+
+
+def test_startup_line_names_what_is_adapted(cpu_megatron, capsys):
+    """Issue 35 item 8: on Mixtral every MLP is routed experts, which LoRA leaves alone: the start-up line lists
+    the linears really adapted (attention only) and says the routed experts are not; on Qwen2-MoE linear_fc1 /
+    linear_fc2 are adapted (the shared experts, the dense first layer) and listed."""
+    from tests.models import family_config, llama_config
+
+    _adapt(family_config("mixtral"))
+    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("LoRA: ")]
+    assert len(line) == 1, line
+    adapted = re.search(r"adapted linears \(([^)]*)\)", line[0]).group(1)
+    assert "linear_qkv" in adapted and "linear_proj" in adapted, line[0]
+    assert "linear_fc1" not in adapted and "linear_fc2" not in adapted, line[0]
+    assert "routed experts are not adapted" in line[0], line[0]
+    _adapt(family_config("qwen2_moe"))
+    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("LoRA: ")][0]
+    adapted = re.search(r"adapted linears \(([^)]*)\)", line).group(1)
+    assert all(t in adapted for t in ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")), line
+    assert "routed experts are not adapted" in line, line
+    _adapt(llama_config("gqa"))
+    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("LoRA: ")][0]
+    assert "routed" not in line, line  # no experts: nothing to say about them
+
+
+def _peft_folder(cfg, folder, **config):
+    """A PEFT LoRA folder made by `peft` itself on a random model of `cfg` (non-zero adapters)."""
+    from peft import LoraConfig, get_peft_model
+
+    from tests.models import hf_model
+
+    pm = get_peft_model(hf_model(cfg), LoraConfig(r=2, lora_alpha=4, **config))
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    pm.save_pretrained(str(folder))
+    return str(folder)
+
+
+def test_valid_peft_adapters_we_cannot_take_are_clear_errors(cpu_megatron, tmp_path):
+    """Issue 35 item 7: a PEFT adapter on some layers only (a regex target_modules) and one with lora_bias=True
+    are refused on import with PEFT's terms (the module, the option), never an internal Megatron name or
+    "unexpected tensor"; written back as a PEFT folder, the some-layers adapter keeps naming those layers only."""
+    from megatron_patch.lora import peft as P
+    from megatron_patch.lora.adapters import LoRAError
+    from tests.models import llama_config
+
+    cfg = llama_config("gqa")
+    some = _peft_folder(cfg, tmp_path / "some_layers", target_modules=r".*\.layers\.0\.self_attn\.(q_proj|v_proj)")
+    with pytest.raises(LoRAError) as e:
+        _adapt(cfg, lora_import=some, lora_rank=2, lora_alpha=4.0)
+    message = str(e.value)
+    assert "decoder." not in message and "linear_qkv" not in message, message
+    assert "model.layers.1.self_attn.q_proj" in message and "every layer" in message, message
+    # copied as a PEFT folder (export --adapter ... --save-peft), its target_modules still name layer 0 only
+    from megatron_patch.conversion.engine import make_plan
+
+    plan = make_plan(cfg)
+    P.write_peft(str(tmp_path / "copy"), P.read_peft(some), plan)
+    pattern = json.load(open(tmp_path / "copy" / "adapter_config.json"))["target_modules"]
+    selected = {h[: -len(".weight")] for h in plan.hf_names() if re.fullmatch(pattern, h[: -len(".weight")])}
+    assert selected == {"model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.v_proj"}, pattern
+    biased = _peft_folder(cfg, tmp_path / "biased", target_modules=["q_proj", "v_proj"], lora_bias=True)
+    with pytest.raises(LoRAError, match=r"lora_bias=True .*is not supported") as e:
+        P.read_peft(biased)
+    assert "unexpected tensor" not in str(e.value) and biased in str(e.value)
+
+
+def _export(*argv) -> tuple[int, str]:
+    from megatron_patch.lora import export
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = export.main([str(a) for a in argv])
+    return code, err.getvalue()
+
+
+def _tree(folder) -> dict[str, int]:
+    """Every file under `folder` with its size and mtime (what a write over it would change)."""
+    out = {}
+    for root, _, files in os.walk(folder):
+        for f in files:
+            st = os.stat(os.path.join(root, f))
+            out[os.path.relpath(os.path.join(root, f), folder)] = (st.st_size, st.st_mtime_ns)
+    return out
+
+
+def test_adapter_for_another_base_is_refused_or_warned(cpu_megatron, tmp_path):
+    """Issue 35 item 7: an adapter whose recorded base (`base_model_name_or_path`) is a folder with another
+    architecture is refused, naming the config key, though every adapted shape fits (only vocab_size differs);
+    one recorded under another name (a hub id) gets a warning; the same name, none."""
+    from tests.models import hf_model, llama_config, save_hf
+
+    cfg = llama_config("gqa")
+    base = save_hf(hf_model(cfg), str(tmp_path / "tiny-llama"))
+    other = save_hf(hf_model({**cfg, "vocab_size": 1100}), str(tmp_path / "other"))
+    adapter = _peft_folder(cfg, tmp_path / "adapter", target_modules=["q_proj", "v_proj"])
+    config_path = os.path.join(adapter, "adapter_config.json")
+
+    def made_for(name):
+        config = json.load(open(config_path))
+        config["base_model_name_or_path"] = name
+        json.dump(config, open(config_path, "w"))
+
+    made_for(other)
+    code, err = _export("--adapter", adapter, "--base", base, "--save-merged", tmp_path / "m1")
+    assert code == 1 and err.strip().splitlines()[-1].startswith("error: "), err
+    assert "vocab_size" in err and other in err and base in err, err
+    assert not os.path.exists(tmp_path / "m1")
+    made_for("some-org/Another-Model-7B")
+    code, err = _export("--adapter", adapter, "--base", base, "--save-merged", tmp_path / "m2")
+    assert code == 0, err
+    assert "warning: " in err and "some-org/Another-Model-7B" in err, err
+    made_for("some-org/tiny-llama")
+    code, err = _export("--adapter", adapter, "--base", base, "--save-merged", tmp_path / "m3")
+    assert code == 0 and "warning" not in err, err
+
+
+def test_export_never_writes_over_its_input(cpu_megatron, tp1, tmp_path):
+    """Issue 35 item 1: with --overwrite, an output that is, or holds, an input (--base, --adapter, --load) or the
+    other output is refused with one error line naming the flag, before anything is written: the inputs stay
+    byte for byte as they were."""
+    import shutil
+
+    from tests.models import hf_model, llama_config, save_hf
+
+    cfg = llama_config("gqa")
+    base = save_hf(hf_model(cfg), str(tmp_path / "base"))
+    adapter = _peft_folder(cfg, tmp_path / "adapter", target_modules=["q_proj", "v_proj"])
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(tp1[1] / "ckpt", ckpt)
+    before = {p: _tree(p) for p in (base, adapter, ckpt)}
+    cases = [
+        (("--adapter", adapter, "--base", base, "--save-peft", base), "--save-peft", "destroy the input"),
+        (("--adapter", adapter, "--base", base, "--save-merged", base), "--save-merged", "destroy the input"),
+        (("--adapter", adapter, "--base", base, "--save-merged", tmp_path), "--save-merged", "destroy the input"),
+        (("--adapter", adapter, "--base", base, "--save-peft", adapter), "--save-peft", "destroy the input"),
+        (("--load", ckpt, "--save-peft", ckpt), "--save-peft", "destroy the input"),
+        (("--load", ckpt, "--base", base, "--save-merged", os.path.join(ckpt, "hf")), "--save-merged",
+         "part of the input"),
+        (("--adapter", adapter, "--base", base, "--save-peft", tmp_path / "x", "--save-merged", tmp_path / "x"),
+         "--save-peft", "the --save-merged folder"),
+    ]
+    for argv, flag, match in cases:
+        code, err = _export(*argv, "--overwrite")
+        last = err.strip().splitlines()[-1] if err.strip() else ""
+        assert code == 1 and last.startswith("error: ") and flag in last and match in last, (argv, err)
+        assert {p: _tree(p) for p in before} == before, argv
+    assert not os.path.exists(tmp_path / "x")
+
+
 # --- end to end: python -m megatron_patch.sft --lora-rank ... (spawned gloo worlds) ---------------------------
 
 def _run(rank: int, argv: list[str]) -> dict:
@@ -387,6 +558,8 @@ def test_lora_import_continues_from_a_peft_folder(tp1, inputs, tmp_path):
 
 def _parse(rank: int, argvs: list[list[str]]) -> list[str]:
     _cpu.install_training()
+    from megatron.training.global_vars import unset_global_variables
+
     from megatron_patch.sft import _sft_settings, add_sft_args
     from megatron_patch.training.arguments import parse_args
 
@@ -395,7 +568,8 @@ def _parse(rank: int, argvs: list[list[str]]) -> list[str]:
         try:
             parse_args(argv, add_sft_args, indexed_data=False, adjust=_sft_settings)
             out.append("")
-        except ValueError as e:
+            unset_global_variables()  # accepted: the next case parses afresh
+        except (ValueError, OSError) as e:
             out.append(str(e))
     return out
 
@@ -414,6 +588,86 @@ def test_bad_lora_options_are_refused_before_training(inputs, tmp_path):
     messages = _cpu.run_world(1, _parse, [argv for argv, _ in cases.values()])[0]
     for (name, (_, match)), message in zip(cases.items(), messages):
         assert match in message, (name, message)
+
+
+def test_lora_options_without_rank_are_refused(inputs, tmp_path):
+    """Issue 35 item 4: --lora-alpha, --lora-target or --lora-dropout without --lora-rank (or --lora-import)
+    would run a full fine-tune: refused, naming the flag, even when given its default value."""
+    data, hf = inputs
+    plain = _argv(data, hf, str(tmp_path / "c"), lora=())
+    cases = {
+        "alpha": ([*plain, "--lora-alpha", "16"], "--lora-alpha"),
+        "target": ([*plain, "--lora-target", "linear_qkv"], "--lora-target"),
+        "dropout": ([*plain, "--lora-dropout", "0.1"], "--lora-dropout"),
+        "dropout 0": ([*plain, "--lora-dropout", "0"], "--lora-dropout"),
+    }
+    messages = _cpu.run_world(1, _parse, [argv for argv, _ in cases.values()])[0]
+    for (name, (_, flag)), message in zip(cases.items(), messages):
+        assert message.startswith(flag) and "needs --lora-rank" in message, (name, message)
+
+
+def test_sft_outputs_are_checked_before_training(inputs, tmp_path):
+    """Issue 35 item 6: --save-hf / --save-peft that are or hold --save, an input or each other, that are --save's
+    own hf/ folder, or that exist already, are refused when the arguments are read (before any model is built),
+    naming the flag, and never suggest an --overwrite that sft does not have. Another folder inside --save is
+    fine (the launchers write OUT/peft beside the checkpoints in OUT)."""
+    data, hf = inputs
+    save = str(tmp_path / "ckpt")
+    (tmp_path / "exists").mkdir()
+    cases = {
+        "save-hf is save": (_argv(data, hf, save, "--save-hf", save, lora=()), "--save-hf", "the --save folder"),
+        "save-peft is save": (_argv(data, hf, save, "--save-peft", save), "--save-peft", "the --save folder"),
+        "save-hf in save": (_argv(data, hf, save, "--save-hf", os.path.join(save, "hf"), lora=()), "--save-hf",
+                            "the --save folder"),
+        "save-hf holds save": (_argv(data, hf, str(tmp_path / "out" / "ckpt"), "--save-hf", str(tmp_path / "out"),
+                                     lora=()), "--save-hf", "the --save folder"),
+        "save-hf is load-hf": (_argv(data, hf, save, "--save-hf", hf, lora=()), "--save-hf", "destroy the input"),
+        "save-peft is load-hf": (_argv(data, hf, save, "--save-peft", hf), "--save-peft", "destroy the input"),
+        "same folder": (_argv(data, hf, save, "--save-hf", str(tmp_path / "o"), "--save-peft", str(tmp_path / "o")),
+                        "--save-hf", "the --save-peft folder"),
+        "save-hf exists": (_argv(data, hf, save, "--save-hf", str(tmp_path / "exists"), lora=()), "--save-hf",
+                           "already exists"),
+        "save-peft exists": (_argv(data, hf, save, "--save-peft", str(tmp_path / "exists")), "--save-peft",
+                             "already exists"),
+        "no parent": (_argv(data, hf, save, "--save-hf", str(tmp_path / "nowhere" / "hf"), lora=()),
+                      "cannot create --save-hf", "its parent folder"),
+    }
+    fine = [  # beside the checkpoints in --save; beside --save in a folder that the run's first save creates
+        _argv(data, hf, save, "--save-hf", os.path.join(save, "merged"), "--save-peft", os.path.join(save, "peft")),
+        _argv(data, hf, str(tmp_path / "run" / "ckpt"), "--save-hf", str(tmp_path / "run" / "hf"), lora=()),
+    ]
+    messages = _cpu.run_world(1, _parse, [*(argv for argv, *_ in cases.values()), *fine])[0]
+    for (name, (_, flag, match)), message in zip(cases.items(), messages):
+        assert message.startswith(flag) and match in message, (name, message)
+        assert "--overwrite" not in message, (name, message)
+    assert messages[len(cases):] == [""] * len(fine)
+    assert not os.path.exists(save) and os.listdir(tmp_path / "exists") == []
+
+
+def test_model_tools_refuse_a_lora_checkpoint_naming_the_export(cpu_megatron, tp1, inputs, tmp_path, capsys):
+    """Issue 35 item 5: a LoRA run's checkpoint holds the adapters only; generate, evaluate, verify, mcore-to-hf
+    and mcore-to-mcore say so in one error line naming `python -m megatron_patch.lora.export` (nothing written)."""
+    from megatron_patch import evaluate, generate
+    from toolkits.checkpoint_converter.__main__ import main as convert
+
+    ckpt = str(tp1[1] / "ckpt")
+    (tmp_path / "prompts.jsonl").write_text(json.dumps({"prompt": "The module"}) + "\n")
+    (tmp_path / "docs.jsonl").write_text(json.dumps({"text": "The module returns a list of values."}) + "\n")
+    model = ["--mcore-dir", ckpt, "--tokenizer", TINY_TOKENIZER]
+    runs = {
+        "generate": lambda: generate.main([*model, "--prompts", str(tmp_path / "prompts.jsonl"),
+                                           "--out", str(tmp_path / "gen.jsonl")]),
+        "evaluate": lambda: evaluate.main([*model, "--text", str(tmp_path / "docs.jsonl"), "--seq-length", "32"]),
+        "verify": lambda: convert(["verify", "--hf-dir", inputs[1], "--mcore-dir", ckpt]),
+        "mcore-to-hf": lambda: convert(["mcore-to-hf", "--mcore-dir", ckpt, "--out", str(tmp_path / "hf")]),
+        "mcore-to-mcore": lambda: convert(["mcore-to-mcore", "--mcore-dir", ckpt, "--out", str(tmp_path / "mc")]),
+    }
+    for name, run in runs.items():
+        assert run() == 1, name
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err and err[-1].startswith("error: ") and "python -m megatron_patch.lora.export" in err[-1] \
+            and ckpt in err[-1], (name, err)
+    assert sorted(os.listdir(tmp_path)) == ["docs.jsonl", "prompts.jsonl"]
 
 
 def _dpo(rank: int, argv: list[str]) -> list[dict]:
