@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Evaluate a checkpoint of any family: examples/evaluate.sh CKPT [--text held_out.jsonl] [--choices mc.jsonl] ...
-# (options: python -m megatron_patch.evaluate --help). TP/PP > 1: NPROC_PER_NODE=TPxPP, plus --tp/--pp.
-# PYTHON: the interpreter (default python).
+# (CKPT: a Megatron checkpoint folder; options: python -m megatron_patch.evaluate --help). Its own options, anywhere:
+# --tp N --pp N --ep N (TP x PP x EP processes on this node, default 1), --recipe FAMILY/MODEL (a released size's
+# layout; without CKPT, its HF folder as --hf-dir), --dry-run (print the command), --help. PYTHON: the interpreter.
 set -euo pipefail
-CKPT=${1:?checkpoint folder}; shift
-exec "${PYTHON:-python}" -m torch.distributed.run --standalone --nproc_per_node "${NPROC_PER_NODE:-1}" \
-  -m megatron_patch.evaluate --mcore-dir "$CKPT" "$@"
+# shellcheck source=common.sh
+source "$(dirname "$0")/common.sh"
+checkpoint_tool evaluate "$@"

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Generate with a checkpoint of any family: examples/generate.sh CKPT --prompts prompts.jsonl [--greedy] ...
-# (CKPT: a Megatron checkpoint folder; options: python -m megatron_patch.generate --help). TP/PP > 1:
-# NPROC_PER_NODE=TPxPP, plus --tp/--pp. PYTHON: the interpreter (default python).
+# (CKPT: a Megatron checkpoint folder; options: python -m megatron_patch.generate --help). Its own options, anywhere:
+# --tp N --pp N --ep N (TP x PP x EP processes on this node, default 1), --recipe FAMILY/MODEL (a released size's
+# layout; without CKPT, its HF folder as --hf-dir), --dry-run (print the command), --help. PYTHON: the interpreter.
 set -euo pipefail
-CKPT=${1:?checkpoint folder}; shift
-exec "${PYTHON:-python}" -m torch.distributed.run --standalone --nproc_per_node "${NPROC_PER_NODE:-1}" \
-  -m megatron_patch.generate --mcore-dir "$CKPT" "$@"
+# shellcheck source=common.sh
+source "$(dirname "$0")/common.sh"
+checkpoint_tool generate "$@"

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Shared launcher of the training tasks (examples/pretrain.sh, examples/sft.sh; rlhf/sft.sh, rlhf/rm.sh, rlhf/dpo.sh):
-# named options, an optional recipe per released model size, everything after them passed to Megatron, torchrun
-# sized from the environment so the same script runs on one GPU and on a multi-node cluster.
+# named options (wherever they stand), an optional recipe per released model size, every other word (all of them
+# after `--`) passed to Megatron, torchrun sized from the environment so the same script runs on one GPU and on a
+# multi-node cluster.
 #
 #   examples/pretrain.sh [--recipe FAMILY/MODEL|FILE] [--model DIR] [--data PREFIX] [--tokenizer DIR]
 #       [--tp N] [--pp N] [--vpp N] [--cp N] [--ep N] [--etp N] [--precision bf16|fp16|fp8|fp32]
 #       [--seq-length N] [--mbs N] [--gbs N] [--lr X] [--min-lr X] [--iters N] [--split TRAIN,VALID,TEST]
 #       [--out DIR] [--from-hf] [--lora RANK] [--profile default|benchmark|none] [--cpu] [--dry-run] [--help]
-#       [-- any Megatron-LM argument ...]
+#       [any Megatron-LM argument ...] [-- Megatron-LM arguments only ...]
 #
 # --recipe: examples/FAMILY/MODEL.env (or a file of the same form): the layout, batch, learning rate, sequence
 # length, precision and GPU settings of one released model (examples/<family>/README.md lists them); the last
@@ -25,48 +26,25 @@
 # --split (pretrain): document shares of training, validation and test (default 99,1,0; a share too
 # small to hold a document is an error; 100,0,0 trains without validation).
 # --profile: megatron_patch's --throughput-profile (default: settings that cost no accuracy; benchmark: also
-# without the per-step NaN and rerun checks; none: Megatron's own defaults).
+# without the per-step NaN and rerun checks; none: Megatron's own defaults); Megatron's own --profile goes after `--`.
 # --cpu: train a tiny model on the CPU (megatron_patch's --cpu: local implementation, gloo; fp32 by default, no
-# distributed optimizer, a recipe's PRECISION and GPU_ARGS left out; one process unless NPROC_PER_NODE is set).
+# distributed optimizer, a recipe's PRECISION and GPU_ARGS left out, and its VPP and CP, saying so; one process
+# unless NPROC_PER_NODE is set).
 # Defaults: --tp 1 --pp 1 --cp 1 --ep 1 --precision bf16 --seq-length 4096 --mbs 1 --gbs 32 --lr 3e-4 (--min-lr:
 # the lr / 10, cosine) --iters 1000 --out checkpoints/run (saved at the end and every 1000 iterations; resumed from).
 # Environment: NPROC_PER_NODE (default: GPUs visible, else 1), NNODES (1), NODE_RANK (0), MASTER_ADDR
-# (localhost), MASTER_PORT (6000); PYTHON (python: the interpreter that runs torch.distributed.run).
+# (localhost), MASTER_PORT (6000); PYTHON (python: the interpreter that runs torchrun, as megatron_patch.torchrun).
 # The entry point's own options and every Megatron-LM argument: python -m megatron_patch.<entry> --help.
 set -euo pipefail
+# shellcheck source=common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
-usage() {
-  sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'
-  if [[ -n "${ENTRY:-}" ]]; then echo "This script runs megatron_patch.$ENTRY."; fi
-}
-die() { echo "error: $*" >&2; exit 1; }
-
-# A recipe: KEY=VALUE lines (VALUE bare or "double-quoted"), # comments; an unknown key is an error.
-RECIPE_KEYS=" HF_ID LAYERS HEADS KV_HEADS EXPERTS GPUS TP PP VPP CP EP ETP SEQ MBS GBS LR MIN_LR PRECISION PROFILE"
-RECIPE_KEYS+=" GPU_ARGS "
-TASK_KEYS=" TP PP VPP CP EP ETP SEQ MBS GBS LR MIN_LR GPU_ARGS "
-declare -A R=()
-read_recipe() {
-  local file=$1 line key n=0
-  while IFS= read -r line || [[ -n "$line" ]]; do
-    n=$((n + 1))
-    [[ "$line" =~ ^[[:space:]]*(#.*)?$ ]] && continue
-    [[ "$line" =~ ^([A-Z0-9_]+)=(\"([^\"]*)\"|([^[:space:]\"#]*))[[:space:]]*(#.*)?$ ]] \
-      || die "$file:$n: not a KEY=VALUE line: $line"
-    key=${BASH_REMATCH[1]}
-    [[ "$RECIPE_KEYS" == *" $key "* ||
-       ( " PRETRAIN SFT RM DPO " == *" ${key%%_*} "* && "$TASK_KEYS" == *" ${key#*_} "* ) ]] \
-      || die "$file:$n: unknown key $key (keys: $RECIPE_KEYS; per task: PRETRAIN_/SFT_/RM_/DPO_ +$TASK_KEYS)"
-    R[$key]=${BASH_REMATCH[3]}${BASH_REMATCH[4]}
-  done < "$file"
-}
-
-MODEL=${MODEL:-} DATA=${DATA:-} RECIPE="" TOKENIZER="" SPLIT="" FROM_HF=0 CPU=0 DRY_RUN=0 LORA=""
+MODEL=${MODEL:-} DATA=${DATA:-} TOKENIZER="" SPLIT="" FROM_HF=0 CPU=0 LORA="" ARGS=()
 TP="" PP="" VPP="" CP="" EP="" ETP="" PRECISION="" PROFILE="" SEQ="" MBS="" GBS="" LR="" MIN_LR="" ITERS=1000
 OUT=checkpoints/run
 while [[ $# -gt 0 ]]; do
   case "$1" in
-    --recipe) RECIPE=$2; shift 2 ;;
+    --recipe) load_recipe "$2"; shift 2 ;;
     --model) MODEL=$2; shift 2 ;;
     --data) DATA=$2; shift 2 ;;
     --tokenizer) TOKENIZER=$2; shift 2 ;;
@@ -90,9 +68,10 @@ while [[ $# -gt 0 ]]; do
     --lora) LORA=$2; shift 2 ;;
     --cpu) CPU=1; shift ;;
     --dry-run) DRY_RUN=1; shift ;;
-    -h|--help) usage; exit 0 ;;
-    --) shift; break ;;
-    *) break ;;  # the rest goes to Megatron
+    -h|--help) usage "${BASH_SOURCE[0]}"; [[ -z "${ENTRY:-}" ]] || echo "This script runs megatron_patch.$ENTRY."
+      exit 0 ;;
+    --) shift; ARGS+=("$@"); break ;;
+    *) ARGS+=("$1"); shift ;;  # Megatron's
   esac
 done
 
@@ -103,19 +82,23 @@ case "$ENTRY" in
 esac
 [[ -z "$LORA" || -n "$LR" ]] || LR=1e-4  # adapters learn at a higher rate than full fine-tuning
 if [[ -n "$RECIPE" ]]; then
-  FILE=$RECIPE
-  [[ -f "$FILE" ]] || FILE="$(dirname "${BASH_SOURCE[0]}")/$RECIPE.env"
-  [[ -f "$FILE" ]] || die "--recipe $RECIPE: no such recipe (examples/<family>/README.md lists them: FAMILY/MODEL)"
-  read_recipe "$FILE"
   [[ "$TASK" == PRETRAIN || -n "$LR" || -n "${R[${TASK}_LR]:-}" ]] \
     || die "recipe $RECIPE sets no ${TASK}_LR (its LR is for pretraining): pass --lr"
-  HF_ID=${R[HF_ID]:-} MODEL=${MODEL:-${HF_ID##*/}}
+  MODEL=${MODEL:-$RECIPE_MODEL}
 fi
 recipe() { echo "${R[${TASK}_$1]:-${R[$1]:-$2}}"; }  # this task's value, else the recipe's, else the default
+if [[ "$CPU" == 1 ]]; then  # a tiny model on the CPU's processes; local attention has no context parallelism
+  LEFT=""
+  [[ -n "$VPP" || "$(recipe VPP 1)" == 1 ]] || { LEFT+=", virtual pipeline (VPP $(recipe VPP 1))"; VPP=1; }
+  [[ -n "$CP" || "$(recipe CP 1)" == 1 ]] || { LEFT+=", context parallelism (CP $(recipe CP 1))"; CP=1; }
+  [[ -z "$LEFT" ]] || echo "note: --cpu leaves out what a CPU run cannot use: recipe $RECIPE's ${LEFT#, }" >&2
+fi
 [[ -n "$LR" || -n "${R[${TASK}_LR]:-}" ]] || MIN_LR=${MIN_LR:-${R[MIN_LR]:-}}  # MIN_LR goes with the LR
 TP=${TP:-$(recipe TP 1)} PP=${PP:-$(recipe PP 1)} VPP=${VPP:-$(recipe VPP 1)} CP=${CP:-$(recipe CP 1)}
 EP=${EP:-$(recipe EP 1)} ETP=${ETP:-$(recipe ETP "")} SEQ=${SEQ:-$(recipe SEQ 4096)} MBS=${MBS:-$(recipe MBS 1)}
 GBS=${GBS:-$(recipe GBS 32)} LR=${LR:-$(recipe LR 3e-4)} PROFILE=${PROFILE:-$(recipe PROFILE default)}
+[[ " default benchmark none " == *" $PROFILE "* ]] \
+  || die "--profile takes default, benchmark or none, got '$PROFILE' (Megatron's own --profile goes after --)"
 MIN_LR=${MIN_LR:-${R[${TASK}_MIN_LR]:-$(awk "BEGIN { printf \"%g\", $LR / 10 }")}}
 
 [[ -n "$MODEL" ]] || die "--model HF_DIR is required (config.json of the model to train), or a --recipe with HF_ID"
@@ -162,7 +145,7 @@ LAYOUT_ARGS=(--tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "
 [[ -z "$ETP" ]] || LAYOUT_ARGS+=(--expert-tensor-parallel-size "$ETP")
 [[ "$VPP" == 1 ]] || LAYOUT_ARGS+=(--num-virtual-stages-per-pipeline-rank "$VPP")
 if [[ "$FROM_HF" == 1 ]]; then MODEL_ARGS=(--load-hf "$MODEL"); else MODEL_ARGS=(--hf-config "$MODEL"); fi
-CMD=("${PYTHON:-python}" -m torch.distributed.run --nproc_per_node "$NPROC_PER_NODE" --nnodes "${NNODES:-1}"
+CMD=("${TORCHRUN[@]}" --nproc_per_node "$NPROC_PER_NODE" --nnodes "${NNODES:-1}"
      --node_rank "${NODE_RANK:-0}" --master_addr "${MASTER_ADDR:-localhost}" --master_port "${MASTER_PORT:-6000}"
      -m "megatron_patch.$ENTRY" "${MODEL_ARGS[@]}"
      --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER" "${DATA_ARGS[@]}" "${LAYOUT_ARGS[@]}"
@@ -170,11 +153,5 @@ CMD=("${PYTHON:-python}" -m torch.distributed.run --nproc_per_node "$NPROC_PER_N
      --seq-length "$SEQ" --micro-batch-size "$MBS" --global-batch-size "$GBS"
      --lr "$LR" --min-lr "$MIN_LR" --lr-decay-style cosine --lr-warmup-fraction 0.01
      --train-iters "$ITERS" --save "$OUT" --load "$OUT" --save-interval 1000 --log-interval 10
-     "${EVAL_ARGS[@]}" "${DEVICE_ARGS[@]}" "${LORA_ARGS[@]}" "$@")
-
-if [[ "$DRY_RUN" == 1 ]]; then
-  printf '%q ' CUDA_DEVICE_MAX_CONNECTIONS=1 "${CMD[@]}"; echo
-  exit 0
-fi
-export CUDA_DEVICE_MAX_CONNECTIONS=1
-exec "${CMD[@]}"
+     "${EVAL_ARGS[@]}" "${DEVICE_ARGS[@]}" "${LORA_ARGS[@]}" "${ARGS[@]}")
+launch CUDA_DEVICE_MAX_CONNECTIONS=1 "${CMD[@]}"

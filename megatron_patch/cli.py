@@ -65,12 +65,17 @@ class _DropMessages(logging.Filter):
         return not str(record.msg).startswith(self.prefix)
 
 
-def quiet_third_party() -> None:
-    """Silence the known third-party notices (idempotent; call before importing megatron-core)."""
-    for name, prefix in _QUIET_LOGS:
+def drop_log_messages(messages: tuple[tuple[str, str], ...]) -> None:
+    """Drop the log records of each (logger, message start) pair (idempotent)."""
+    for name, prefix in messages:
         log = logging.getLogger(name)
         if not any(isinstance(f, _DropMessages) and f.prefix == prefix for f in log.filters):
             log.addFilter(_DropMessages(prefix))
+
+
+def quiet_third_party() -> None:
+    """Silence the known third-party notices (idempotent; call before importing megatron-core)."""
+    drop_log_messages(_QUIET_LOGS)
     # megatron-core's notices about optional kernels (Transformer Engine, Apex) absent on a CPU and a default
     # of its own config; its other warnings stay visible
     for message in _MEGATRON_NOTICES:

@@ -167,8 +167,8 @@ def evaluate(args: argparse.Namespace) -> dict:
     return report
 
 
-def main(argv: list[str] | None = None) -> int:
-    from megatron_patch.cli import HelpFormatter, positive_int, run
+def parser() -> argparse.ArgumentParser:
+    from megatron_patch.cli import HelpFormatter, positive_int
     from megatron_patch.inference import add_model_args
 
     p = argparse.ArgumentParser(prog="python -m megatron_patch.evaluate", description=__doc__,
@@ -182,7 +182,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-length", type=positive_int, default=2048, metavar="N",
                    help="perplexity window (tokens scored per forward pass)")
     p.add_argument("--report", help="also write the JSON report here (checked before the model loads, written whole)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from megatron_patch.cli import run
+
+    args = parser().parse_args(argv)
     return run(lambda: evaluate(args))[0]
 
 

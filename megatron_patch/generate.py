@@ -141,9 +141,8 @@ def run(args) -> dict:
             "tokens_per_s": round(new / seconds, 1) if seconds else None, "out": args.out}
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     from megatron_patch.cli import HelpFormatter, positive_float, positive_int
-    from megatron_patch.cli import run as run_tool
     from megatron_patch.inference import ENGINES, add_model_args
 
     p = argparse.ArgumentParser(prog="python -m megatron_patch.generate", description=__doc__,
@@ -182,7 +181,13 @@ def main(argv: list[str] | None = None) -> int:
                    "none: eager (default: local on a GPU at --pp 1 and --ep 1, else none)")
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
                    help="print the text to stderr as it is generated (default: on for one prompt on a terminal)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from megatron_patch.cli import run as run_tool
+
+    args = parser().parse_args(argv)
     return run_tool(lambda: run(args), summary=sys.stdout if args.out else sys.stderr)[0]
 
 

@@ -4,13 +4,14 @@
 Tokenizes JSONL files (.jsonl, or gzipped .jsonl.gz), one document per line, into the Megatron indexed
 dataset PREFIX_{json_key}_document.bin/.idx that `--data-path PREFIX_text_document` reads in
 megatron.training (megatron.core.datasets.indexed_dataset); a PREFIX already ending in _{json_key}_document
-is used as is. Documents keep the input order; documents that tokenize to nothing are skipped and counted
-(input with no document left is an error). `--append-eod` ends each document with the tokenizer's eod,
-which GPTDataset uses to tell documents apart inside a sample.
+is used as is, and missing folders of PREFIX are made. Documents keep the input order; documents that
+tokenize to nothing are skipped and counted (input with no document left is an error). `--append-eod` ends
+each document with the tokenizer's eod, which GPTDataset uses to tell documents apart inside a sample.
 
 The files are written under temporary names beside the target and renamed at the end, so bad input (a
 missing file, a line that is not JSON, a line without the key, an existing output without --overwrite)
-ends with one `error:` line, exit status 1, and no output. Set MEGATRON_PATCH_TRACEBACK=1 for the traceback.
+ends with one `error:` line, exit status 1, and no output (nor the folders the run made). Set
+MEGATRON_PATCH_TRACEBACK=1 for the traceback.
 """
 
 from __future__ import annotations
@@ -95,6 +96,17 @@ def _tokenize_line(item: tuple[str, int, str]) -> numpy.ndarray:
     return numpy.asarray(_tokenizer.tokenize(text), dtype=numpy.int32)
 
 
+def _missing_folders(folder: str) -> list[str]:
+    """The folders to make for `folder` to exist, outermost first; an error when something on the way is a file."""
+    missing = []
+    while not os.path.isdir(folder):
+        if os.path.lexists(folder):
+            raise ValueError(f"output folder {folder} is a file")
+        missing.append(folder)
+        folder = os.path.dirname(folder)
+    return missing[::-1]
+
+
 def output_paths(output_prefix: str, json_key: str = "text") -> tuple[str, str]:
     """The .bin and .idx files that `preprocess` writes for `output_prefix`: PREFIX_{json_key}_document, or
     the prefix itself when it already ends so (the --data-path name given as the output)."""
@@ -122,8 +134,7 @@ def preprocess(inputs: list[str], output_prefix: str, tokenizer_path: str, json_
             raise ValueError(f"input file {path} does not exist")
     bin_path, idx_path = (os.path.abspath(p) for p in output_paths(output_prefix, json_key))
     parent = os.path.dirname(bin_path)
-    if not os.path.isdir(parent):
-        raise ValueError(f"output folder {parent} does not exist")
+    missing = _missing_folders(parent)
     for path in (bin_path, idx_path):
         if os.path.lexists(path) and not overwrite:
             raise ValueError(f"output {path} already exists (pass --overwrite to replace it)")
@@ -137,6 +148,8 @@ def preprocess(inputs: list[str], output_prefix: str, tokenizer_path: str, json_
     documents = skipped = tokens = 0
     start = time.perf_counter()
     try:
+        for folder in missing:
+            os.mkdir(folder)
         builder = IndexedDatasetBuilder(tmp["bin"], dtype=dtype)
         lines = _read_lines(inputs)
         if workers > 1:  # fork: the workers inherit the imported modules instead of importing megatron again
@@ -167,6 +180,9 @@ def preprocess(inputs: list[str], output_prefix: str, tokenizer_path: str, json_
         for path in tmp.values():
             if os.path.lexists(path):
                 os.remove(path)
+        for folder in reversed(missing):  # the folders this run made, if nothing else was put in them
+            if os.path.isdir(folder) and not os.listdir(folder):
+                os.rmdir(folder)
         raise
     finally:
         if pool is not None:
@@ -183,7 +199,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--input", nargs="+", required=True, help="JSONL files (.jsonl or .jsonl.gz), read in order")
     p.add_argument("--output-prefix", required=True,
                    help="writes PREFIX_{json_key}_document.bin/.idx (a PREFIX already ending in _{json_key}_document "
-                        "is used as is)")
+                        "is used as is; missing folders are made)")
     p.add_argument("--tokenizer", "--tokenizer-model", dest="tokenizer", required=True,
                    help="HF tokenizer folder or sentencepiece .model file")
     p.add_argument("--json-key", default="text", help="the field of each JSONL row holding the document")

@@ -43,8 +43,10 @@ def save_legacy(plan: Plan, get: Callable[[str], Tensor], hf_keys: Iterable[str]
             folder = legacy_rank_dir(step_dir, tp_rank, stage, lay.pp, ep_rank, lay.ep)
             os.makedirs(folder)
             if log is not None:
+                placed = {pl.name: pl for pl in plan.placements([stage], [ep_rank])}
                 for name, tensor in sd.items():
-                    log.add(f"{os.path.basename(folder)}/{name}", tensor)
+                    log.add(f"{os.path.basename(folder)}/{name}", tensor,
+                            lambda pl=placed[name]: ((h, get(h)) for h in pl.hf_names))
             torch.save({"model": {**sd, **extra}, "args": args, "checkpoint_version": 3.0, "iteration": 0},
                        os.path.join(folder, LEGACY_FILE))
             del sd

@@ -9,6 +9,7 @@ import os
 import sys
 import threading
 import zlib
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import Tensor
@@ -32,6 +33,16 @@ def nonfinite_count(t: Tensor) -> int:
     return int(t.numel() - torch.isfinite(t).sum())
 
 
+def _holders(name: str, t: Tensor, bad: int, sources: Callable[[], Iterable[tuple[str, Tensor]]] | None) -> str:
+    """Where the non-finite values of tensor `name` are, in the names the user knows: its source tensors that
+    hold them, else (the conversion itself made them, e.g. an overflow of the target dtype) the tensor."""
+    found = [f"{n} has {k} non-finite values (NaN/Inf) out of {s.numel()}"
+             for n, s in (sources() if sources is not None else ()) if (k := nonfinite_count(s))]
+    if found:
+        return f"{', '.join(found)} (written as {name})"
+    return f"{name} has {bad} non-finite values (NaN/Inf) out of {t.numel()}"
+
+
 class TensorLog:
     """Collects entries from the writer threads; `write(folder)` saves them sorted by name.
 
@@ -44,13 +55,15 @@ class TensorLog:
         self._lock = threading.Lock()
         self.allow_nonfinite = allow_nonfinite
 
-    def add(self, name: str, t: Tensor) -> Tensor:
+    def add(self, name: str, t: Tensor, sources: Callable[[], Iterable[tuple[str, Tensor]]] | None = None) -> Tensor:
+        """Record tensor `name` as written. `sources`: the (name, tensor) pairs it was converted from (HF tensors
+        becoming a Megatron one), read again only to name the ones that hold NaN / Inf when it is refused."""
         entry = {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."), "crc32": crc32(t)}
         bad = nonfinite_count(t)
         if bad:
             if not self.allow_nonfinite:
-                raise NonFiniteError(f"{name} has {bad} non-finite values (NaN/Inf) out of {t.numel()}; nothing "
-                                     "was written (pass --allow-nonfinite to write it anyway)")
+                raise NonFiniteError(f"{_holders(name, t, bad, sources)}; nothing was written (pass "
+                                     "--allow-nonfinite to write it anyway)")
             entry["nonfinite"] = bad
         with self._lock:
             self._entries[name] = entry

@@ -98,9 +98,12 @@ def save_torch_dist(plan: Plan, get: Callable[[str], Tensor], hf_keys: Iterable[
         pl = placements[name]
         return megatron_shards(flat, pl, [get(h) for h in pl.hf_names], dtype, expected)[0]
 
+    def sources(name: str) -> Iterable[tuple[str, Tensor]]:
+        return ((h, get(h)) for h in placements[name].hf_names)
+
     common = {"checkpoint_version": 3.0, "iteration": 0, "args": checkpoint_args(plan, "torch_dist")}
     inline = compat.torch_dist_common_state_inline()
-    planner = _LazySavePlanner(sharded, convert, common if inline else None, dtype, log)
+    planner = _LazySavePlanner(sharded, convert, common if inline else None, dtype, log, sources)
     release = os.path.join(out_dir, "release")
     os.makedirs(release)
     if not inline:
@@ -133,13 +136,13 @@ class _LazySavePlanner(DefaultSavePlanner):
     until all its pieces (two for a gated linear_fc1) have been handed to the writer threads."""
 
     def __init__(self, sharded: dict, convert: Callable[[str], Tensor], common: dict | None, dtype: torch.dtype,
-                 log: TensorLog | None = None):
+                 log: TensorLog | None = None, sources: Callable[[str], Iterable[tuple[str, Tensor]]] | None = None):
         from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self._items: list[WriteItem] = []
         self._data: dict[MetadataIndex, Callable[[], Any]] = {}
-        self._convert, self._lock, self._log = convert, threading.Lock(), log
+        self._convert, self._lock, self._log, self._sources = convert, threading.Lock(), log, sources
         self._cache: dict[str, Tensor] = {}
         self._pending: dict[str, int] = {}
         tensor = self._tensor
@@ -150,11 +153,11 @@ class _LazySavePlanner(DefaultSavePlanner):
                 pieces = entry.build_fn(entry.key, entry.data, entry.replica_id, entry.flattened_range)
                 self._pending[name] = len(pieces)
                 for i, piece in enumerate(pieces):
-                    self._add_tensor(piece, dtype, lambda n=name, e=entry, i=i: e.build_fn(
+                    self._add_tensor(name, piece, dtype, lambda n=name, e=entry, i=i: e.build_fn(
                         e.key, tensor(n), e.replica_id, e.flattened_range)[i].data)
             elif isinstance(entry, ShardedTensor):
                 self._pending[name] = 1
-                self._add_tensor(entry, dtype, lambda n=name: tensor(n))
+                self._add_tensor(name, entry, dtype, lambda n=name: tensor(n))
             else:
                 raise ConversionError(f"{name}: unexpected {type(entry).__name__} in the sharded state dict")
         if common is not None:  # (else in common.pt: megatron_patch.compat.torch_dist_common_state_inline)
@@ -170,7 +173,7 @@ class _LazySavePlanner(DefaultSavePlanner):
                 del self._cache[name]
         return t
 
-    def _add_tensor(self, sh: Any, dtype: torch.dtype, produce: Callable[[], Tensor]) -> None:
+    def _add_tensor(self, name: str, sh: Any, dtype: torch.dtype, produce: Callable[[], Tensor]) -> None:
         offsets = torch.Size(sh.global_offset)
         sizes = torch.Size((1,) * sh.prepend_axis_num + tuple(sh.local_shape))
         index = MetadataIndex(sh.key, offsets)
@@ -179,9 +182,11 @@ class _LazySavePlanner(DefaultSavePlanner):
             properties=TensorProperties(dtype=dtype), size=torch.Size(sh.global_shape))))
         label = f"{sh.key}@{','.join(map(str, offsets))}"
 
+        sources = (lambda: self._sources(name)) if self._sources is not None else None
+
         def data() -> Tensor:
             t = produce().reshape(sizes)
-            return self._log.add(label, t) if self._log is not None else t
+            return self._log.add(label, t, sources) if self._log is not None else t
 
         self._data[index] = data
 

@@ -128,14 +128,14 @@ def train(args) -> dict:
             "out": args.out, "history": history}
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     from megatron_patch.cli import HelpFormatter, positive_float, positive_int
-    from megatron_patch.cli import run as run_tool
     from megatron_patch.rlhf.rollout import add_rollout_args
 
     p = argparse.ArgumentParser(prog="python -m megatron_patch.rlhf.grpo", description=__doc__,
                                 formatter_class=HelpFormatter)
-    add_rollout_args(p, prompts_per_step=8, out_help="write the final policy here as an HF folder")
+    add_rollout_args(p, prompts_per_step=8, out_help="write the final policy here as an HF folder",
+                     seed_help="sampling seed", clip_grad_help="gradient norm clip")
     p.add_argument("--reward", required=True, help="module:function, called as fn(prompt, completion) -> float")
     p.add_argument("--steps", type=positive_int, default=100, help="optimisation steps")
     p.add_argument("--group-size", type=positive_int, default=8, help="completions per prompt (>= 2)")
@@ -143,7 +143,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--epochs", type=positive_int, default=1, help="policy updates per batch of rollouts")
     p.add_argument("--clip", type=positive_float, default=0.2, help="PPO-style ratio clip")
     p.add_argument("--kl-coef", type=float, default=0.04, help="weight of the KL penalty to the starting model")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from megatron_patch.cli import run as run_tool
+
+    args = parser().parse_args(argv)
     return run_tool(lambda: train(args))[0]
 
 

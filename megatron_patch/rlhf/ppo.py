@@ -26,9 +26,11 @@ arithmetic is `megatron_patch.rlhf.ppo_loss`.
 One JSON line per step on stderr: reward, kl (per completion), kl_coef, policy_loss, value_loss,
 clip_frac, value_clip_frac, entropy (per token), response_length; a summary on stdout. `--save DIR` keeps
 checkpoints (actor, critic, optimizers, KL coefficient, history; every `--save-interval` steps and at the
-end); `--load DIR` resumes from its latest. `--out` writes the actor as an HF causal LM and `--critic-out`
-the critic as an HF `<Family>ForSequenceClassification` folder (num_labels=1) whose per-token values are
-`model.score(model.base_model(ids).last_hidden_state)` (its `logits` are the value at the last token).
+end); `--load DIR` resumes from its latest, exactly (`--load DIR --save DIR`: rerunning the command continues the
+run). A `--save` folder that already holds a checkpoint is refused unless `--load` names it, or `--overwrite`
+starts again (the old checkpoints are removed at the first save). `--out` writes the actor as an HF causal LM
+and `--critic-out` the critic as an HF `<Family>ForSequenceClassification` folder (num_labels=1) whose per-token
+values are `model.score(model.base_model(ids).last_hidden_state)` (its `logits` are the value at the last token).
 """
 
 from __future__ import annotations
@@ -80,6 +82,8 @@ def frozen(model):
 
 class Trainer:
     """The four models, the two optimizers and the KL controller of one PPO run on this rank."""
+
+    replace_saved = False  # --overwrite into a --save folder of another run: its checkpoints go at the first save
 
     def __init__(self, args, tokenizer, prompt_texts: list[str], prompt_ids: list[list[int]]):
         from megatron_patch.inference import load_model
@@ -208,11 +212,22 @@ class Trainer:
         """`folder/step_N/rank_TT[_PPP].pt` (actor, critic, both optimizers, RNG) per TP x PP rank, then
         `state.json` (step, layout, KL coefficient, history) and the tracker `latest`, which is written last: a
         step folder the tracker names is complete."""
+        import shutil
+
         import torch.distributed as dist
 
         from megatron_patch.cli import is_first_rank
         from megatron_patch.conversion.atomic import atomic_output_file
 
+        if self.replace_saved:
+            if is_first_rank():  # the tracker first: a folder without it holds no checkpoint
+                os.remove(os.path.join(folder, TRACKER))
+                for name in os.listdir(folder):
+                    if name.startswith("step_"):
+                        shutil.rmtree(os.path.join(folder, name))
+            if dist.is_initialized():
+                dist.barrier()
+            self.replace_saved = False
         step_dir = os.path.join(folder, f"step_{step:06d}")
         os.makedirs(step_dir, exist_ok=True)
         path = self.rank_file(step_dir)
@@ -240,13 +255,12 @@ class Trainer:
         """Resume from `folder`'s latest complete step; returns the number of steps done (0: nothing there)."""
         from megatron_patch.cli import is_first_rank
 
-        tracker = os.path.join(folder, TRACKER)
-        if not os.path.isfile(tracker):
+        step = saved_step(folder)
+        if step is None:
             if is_first_rank():
                 print(f"warning: no PPO checkpoint in {folder} ({TRACKER} missing): starting from step 1",
                       file=sys.stderr)
             return 0
-        step = int(open(tracker).read().strip())
         step_dir = os.path.join(folder, f"step_{step:06d}")
         state = json.load(open(os.path.join(step_dir, STATE)))
         saved_at = (state["tp"], state.get("pp", 1))
@@ -261,6 +275,26 @@ class Trainer:
         torch.set_rng_state(saved["rng"])
         self.kl.value, self.history = state["kl_coef"], state["history"]
         return step
+
+
+def saved_step(folder: str) -> int | None:
+    """The step of a checkpoint folder's latest complete checkpoint (its tracker); None when it holds none."""
+    tracker = os.path.join(folder, TRACKER)
+    return int(open(tracker).read().strip()) if os.path.isfile(tracker) else None
+
+
+def replaces_saved_run(args) -> bool:
+    """Whether this run starts again in a --save folder holding another run's checkpoints (--overwrite). Without
+    --overwrite, such a rerun (the same command after an interruption, without --load) would start at step 1 and
+    replace them: refused, naming the two ways on. Resuming is --load naming the folder (as megatron.training
+    resumes when --load is --save)."""
+    if not args.save or (args.load and os.path.realpath(args.load) == os.path.realpath(args.save)):
+        return False
+    step = saved_step(args.save)
+    if step is not None and not args.overwrite:
+        raise ValueError(f"--save {args.save} already holds a PPO checkpoint (step {step}): pass --load {args.save} "
+                         "to resume it, or --overwrite to start again and replace it")
+    return step is not None
 
 
 def check_args(args) -> None:
@@ -294,6 +328,7 @@ def setup(args) -> tuple[Trainer, str]:
             check_output(out, args.overwrite, sources)
     if args.out and args.out == args.critic_out:
         raise ValueError("--out and --critic-out name the same folder")
+    replace_saved = replaces_saved_run(args)
     if not args.out and is_first_rank():
         print("warning: no --out: the trained policy will not be exported", file=sys.stderr)
     policy_dir = model_folder(args.mcore_dir, args.hf_dir)
@@ -302,7 +337,9 @@ def setup(args) -> tuple[Trainer, str]:
     texts, prompt_ids = read_prompts(args.prompts, tokenizer, args.chat)
     check_inputs(args, load_hf_config(policy_dir), tokenizer, prompt_ids)
     torch.manual_seed(args.seed)
-    return Trainer(args, tokenizer, texts, prompt_ids), tok_dir
+    trainer = Trainer(args, tokenizer, texts, prompt_ids)
+    trainer.replace_saved = replace_saved
+    return trainer, tok_dir
 
 
 def train(args) -> dict:
@@ -336,7 +373,9 @@ def parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(prog="python -m megatron_patch.rlhf.ppo", description=__doc__,
                                 formatter_class=HelpFormatter)
-    add_rollout_args(p, prompts_per_step=16, out_help="write the final actor here as an HF causal LM")
+    add_rollout_args(p, prompts_per_step=16, out_help="write the final actor here as an HF causal LM",
+                     seed_help="sampling seed (and a fresh value head's)",
+                     clip_grad_help="gradient norm clip (actor and critic, each)")
     p.add_argument("--reward-model", help="a reward model (HF ...ForSequenceClassification folder or Megatron "
                                           "checkpoint) sharing the policy's tokenizer")
     p.add_argument("--reward", help="or a rule: module:function, called as fn(prompt, completion) -> float")
@@ -356,9 +395,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--kl-horizon", type=positive_int, default=10000, help="adaptive KL: horizon in rollouts")
     p.add_argument("--whiten-rewards", action="store_true", help="rescale token rewards to unit variance per batch")
     p.add_argument("--critic-out", help="write the final critic here as an HF ...ForSequenceClassification")
-    p.add_argument("--save", help="checkpoint folder (every --save-interval steps and at the end)")
+    p.add_argument("--save", help="checkpoint folder (every --save-interval steps and at the end); one holding a "
+                                  "checkpoint needs --load naming it (resume) or --overwrite (start again)")
     p.add_argument("--save-interval", type=positive_int, default=50, help="steps between checkpoints")
-    p.add_argument("--load", help="resume from this checkpoint folder's latest step")
+    p.add_argument("--load", help="resume from this checkpoint folder's latest step (usually the --save folder)")
     return p
 
 

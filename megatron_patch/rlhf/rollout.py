@@ -243,9 +243,9 @@ def reward_summary(history: list[dict]) -> dict:
             "reward_last": round(statistics.mean(r["reward"] for r in history[-k:]), 4) if history else None}
 
 
-def add_rollout_args(parser, prompts_per_step: int, out_help: str) -> None:
+def add_rollout_args(parser, prompts_per_step: int, out_help: str, seed_help: str, clip_grad_help: str) -> None:
     """The options GRPO and PPO share: the model, the prompts and how rollouts are sampled, the gradient clip,
-    the seed and the HF export."""
+    the seed and the HF export (what the seed and the clip apply to is each trainer's to say)."""
     from megatron_patch.cli import positive_float, positive_int
     from megatron_patch.inference import ENGINES, add_model_args
 
@@ -260,7 +260,7 @@ def add_rollout_args(parser, prompts_per_step: int, out_help: str) -> None:
     parser.add_argument("--max-new-tokens", type=positive_int, default=128, help="longest completion")
     parser.add_argument("--temperature", type=positive_float, default=1.0, help="sampling temperature of the rollouts")
     parser.add_argument("--top-p", type=float, default=0.0, help="nucleus sampling of the rollouts (0: off)")
-    parser.add_argument("--clip-grad", type=positive_float, default=1.0, help="gradient norm clip (each model)")
-    parser.add_argument("--seed", type=int, default=1234, help="sampling seed (and a fresh value head's)")
+    parser.add_argument("--clip-grad", type=positive_float, default=1.0, help=clip_grad_help)
+    parser.add_argument("--seed", type=int, default=1234, help=seed_help)
     parser.add_argument("--out", help=out_help)
     parser.add_argument("--overwrite", action="store_true", help="replace existing output folders")

@@ -194,23 +194,28 @@ def _strict_json(line: str) -> dict:
 
 
 def test_nonfinite_weights_are_refused_or_written_with_a_warning(hf_dir, tmp_path, capsys):
-    """NaN in one HF tensor: every conversion refuses it by default, naming the tensor; with
-    --allow-nonfinite it is written, warned about and recorded in tensors.json; verify then fails on
-    the non-finite logits with a valid JSON line (no bare NaN)."""
+    """NaN in one HF tensor: every conversion refuses it by default, naming the HF tensor (the name the user
+    knows; the Megatron tensor it went into follows); with --allow-nonfinite it is written, warned about and
+    recorded in tensors.json; verify then fails on the non-finite logits with a valid JSON line (no bare NaN)."""
     bad = _with_nan(hf_dir, tmp_path / "hf")
     out = str(tmp_path / "out")
+    hf_name = "model.layers.1.self_attn.o_proj.weight"
     for fmt, name in (("torch_dist", "decoder.layers.self_attention.linear_proj.weight@1,0,0"),  # layer 1
                       ("legacy", "mp_rank_00/decoder.layers.1.self_attention.linear_proj.weight")):
         _fails(["hf-to-mcore", "--hf-dir", bad, "--out", out, "--format", fmt], out,
-               f"{name} has 1 non-finite values (NaN/Inf)", capsys)
+               f"{hf_name} has 1 non-finite values (NaN/Inf) out of 4096 (written as {name}); nothing was written",
+               capsys)
     mc = str(tmp_path / "mc")
     assert main(["hf-to-mcore", "--hf-dir", bad, "--out", mc, "--allow-nonfinite"]) == 0
     assert "warning: 1 tensors written with non-finite values" in capsys.readouterr().err
     entries = json.load(open(os.path.join(mc, "tensors.json")))["tensors"]
     flagged = [k for k, v in entries.items() if v.get("nonfinite")]
     assert flagged == ["decoder.layers.self_attention.linear_proj.weight@1,0,0"]
-    _fails(["mcore-to-hf", "--mcore-dir", mc, "--out", out], out, "non-finite values", capsys)
-    _fails(["mcore-to-mcore", "--mcore-dir", mc, "--out", out, "--format", "legacy"], out, "non-finite values", capsys)
+    _fails(["mcore-to-hf", "--mcore-dir", mc, "--out", out], out, f"error: {hf_name} has 1 non-finite values",
+           capsys)
+    _fails(["mcore-to-mcore", "--mcore-dir", mc, "--out", out, "--format", "legacy"], out,
+           f"error: {hf_name} has 1 non-finite values (NaN/Inf) out of 4096 (written as mp_rank_00/decoder.layers.1."
+           "self_attention.linear_proj.weight)", capsys)
     assert main(["verify", "--hf-dir", bad, "--mcore-dir", mc]) == 1
     captured = capsys.readouterr()
     result = _strict_json(captured.out.strip().splitlines()[-1])

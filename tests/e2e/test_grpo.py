@@ -128,3 +128,17 @@ def test_export_with_non_finite_weights_is_refused(cpu_megatron, tiny_lm, tmp_pa
     with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.down_proj\.weight.*(Inf|inf|non-finite)"):
         save_hf(model, cfg, tiny_lm, str(out), 1)
     assert not out.exists() and not [p for p in tmp_path.iterdir() if ".partial-" in p.name]
+
+
+def test_help_describes_grpo_alone(capsys):
+    """GRPO trains one model and has no value head: its --help says nothing of a value head, a critic or "each
+    model" (options it shares with PPO say what they do here); PPO's still names its value head's seed."""
+    from megatron_patch.rlhf import grpo, ppo
+
+    with pytest.raises(SystemExit):
+        grpo.main(["--help"])
+    text = capsys.readouterr().out
+    assert "--seed" in text and "--clip-grad" in text
+    for word in ("value head", "critic", "each model"):
+        assert word not in text, word
+    assert "value head" in ppo.parser().format_help()

@@ -6,7 +6,9 @@
 - the toy task (reward: the number of completion tokens with an id below 200) rises by more than
   `TOY_RISE` over 12 steps while the per-completion KL stays below `TOY_KL_BOUND`;
 - TP=2 gives TP=1's rollouts (token for token) and losses (<= 1e-4 relative) over two steps;
-- a run saved after 2 steps and resumed to 3 equals an uninterrupted 3-step run (history and weights);
+- a run saved after 2 steps and resumed to 3 equals an uninterrupted 3-step run (history and weights); a rerun
+  into a --save folder that holds a checkpoint, without --load naming it, is refused (naming --load and
+  --overwrite) before anything is read, and --overwrite starts again, leaving the new run's checkpoints only;
 - the full workflow SFT -> reward model -> PPO -> HF export through the rlhf/ launchers (`rlhf/example_cpu.sh`)
   per family: the exported actor loads in transformers and generates, and its logits equal our model's;
   the exported critic's per-token values (HF `score(base_model(ids).last_hidden_state)`) equal our
@@ -18,6 +20,7 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -215,6 +218,32 @@ def test_resume_equals_an_uninterrupted_run(cpu_megatron, start, tmp_path, capsy
         assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
 
 
+def test_rerun_into_a_saved_run_resumes_with_load_or_starts_again_with_overwrite(cpu_megatron, start, tmp_path,
+                                                                                 capsys):
+    """The same command run again after an interruption finds --save holding checkpoints: without --load naming
+    that folder it would start at step 1 and replace them, so it stops, naming both ways on (megatron.training's
+    --load = --save resumes; --overwrite starts again); nothing in the folder is touched. --overwrite trains from
+    the start and leaves only its own checkpoints."""
+    from megatron_patch.rlhf.ppo import main
+
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "step_000002").mkdir(parents=True)
+    (ckpt / "step_000002" / "state.json").write_text(json.dumps({"step": 2, "tp": 1, "pp": 1}))
+    (ckpt / "latest").write_text("2\n")
+    before = sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*"))
+    argv = _argv(start, "--prompts-per-step", "2", "--steps", "1", "--save", str(ckpt))
+    for extra in ([], ["--load", str(tmp_path / "elsewhere")]):
+        assert main(argv + extra) == 1
+        err = capsys.readouterr().err
+        assert err.strip().splitlines()[-1] == (
+            f"error: --save {ckpt} already holds a PPO checkpoint (step 2): pass --load {ckpt} to resume it, or "
+            "--overwrite to start again and replace it"), err
+        assert sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*")) == before
+    assert main(argv + ["--overwrite"]) == 0
+    assert _summary(capsys)["resumed_at"] == 0
+    assert sorted(os.listdir(ckpt)) == ["latest", "step_000001"] and (ckpt / "latest").read_text().strip() == "1"
+
+
 # --- the workflow through the rlhf/ launchers, per family -------------------------------------------------
 
 FAMILIES = {  # family -> its tiny config (tests/models.py); adding a family is one line
@@ -344,16 +373,59 @@ def test_each_stage_launcher_runs_its_entry_point(stage, entry, start):
         assert p.returncode == 0 and f"usage: python -m megatron_patch.{entry}" in p.stdout, p.stderr[-2000:]
         p = subprocess.run(["bash", script, "--prompts", "p.jsonl"], env=env, capture_output=True, text=True)
         assert p.returncode == 1 and "error: --model HF_DIR is required" in p.stderr
-        p = subprocess.run(["bash", script, "--model", "m", "--tp", "2", "--pp", "2", "--dry-run", "--steps", "3"],
+        p = subprocess.run(["bash", script, "--model", "m", "--steps", "3", "--tp", "2", "--pp", "2", "--dry-run"],
                            env=env, capture_output=True, text=True)
         assert p.returncode == 0 and p.stdout.split() == [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4", "-m",
+            sys.executable, "-m", "megatron_patch.torchrun", "--standalone", "--nproc_per_node", "4", "-m",
             f"megatron_patch.{entry}", "--hf-dir", "m", "--tp", "2", "--pp", "2", "--steps", "3"], p.stdout
         return
     p = subprocess.run(["bash", script, "--model", str(start / "hf"), "--data", str(start / "prompts.jsonl"), "--cpu",
                         "--dry-run"], env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     assert f"-m megatron_patch.{entry} --load-hf {start / 'hf'}" in p.stdout, p.stdout
+
+
+def _stderr_until(p: subprocess.Popen, start: str, lines: list[str]) -> None:
+    for line in p.stderr:
+        lines.append(line)
+        if line.startswith(start):
+            return
+    raise AssertionError("".join(lines))
+
+
+def test_under_the_launcher_errors_and_sigterm_end_as_the_tools_do(start, tmp_path):
+    """rlhf/grpo.sh / ppo.sh run torchrun through megatron_patch.torchrun: a worker's `error:` line is the whole
+    report (exit 1, no torchrun traceback or failure box), and SIGTERM (preemption, `scancel`, `timeout`) reaches the
+    workers, which stop as the tools do (nothing half-written), and ends the launcher with 143, without a
+    traceback."""
+    env = {**os.environ, "PYTHON": sys.executable, "TORCHDYNAMO_DISABLE": "1"}
+    common = ["--model", str(start / "hf"), "--prompts", str(start / "prompts.jsonl"), "--max-new-tokens", "4",
+              "--prompts-per-step", "2"]
+    p = subprocess.run(["bash", os.path.join(ROOT, "rlhf", "grpo.sh"), *common, "--reward", "no_such_module:fn"],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 1, p.stderr
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith("error: --reward no_such_module:fn"), p.stderr
+    for noise in ("Traceback", "ChildFailedError", "FAILED", "exitcode"):
+        assert noise not in p.stderr, p.stderr
+
+    save = tmp_path / "ckpt"
+    p = subprocess.Popen(["bash", os.path.join(ROOT, "rlhf", "ppo.sh"), *common, "--reward",
+                          "tests.e2e.test_ppo:toy_reward", "--steps", "1000", "--save", str(save), "--save-interval",
+                          "1"], env=env, cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    lines: list[str] = []
+    try:
+        _stderr_until(p, '{"step": 2', lines)
+        p.send_signal(signal.SIGTERM)
+        rest = p.communicate(timeout=300)[1]
+    finally:
+        p.kill()
+    err = "".join(lines) + rest
+    assert p.returncode == 143, err
+    assert "error: terminated (SIGTERM)" in err and "Traceback" not in err and "SignalException" not in err, err
+    assert not [n for n in os.listdir(save) if "partial" in n]
+    for step in os.listdir(save):
+        assert step == "latest" or not [n for n in os.listdir(save / step) if "partial" in n]
 
 
 def test_every_option_says_what_it_does():

@@ -3,7 +3,11 @@
 holds what they read, with the model folders they name (Llama-3.1-8B, ...) holding a tiny LLaMA and the
 tiny tokenizer. "At tiny sizes" means: the size flags in `TINY` get tiny values, training runs on one
 process (parallel sizes 1) with `--cpu` added, and the launchers get `--cpu` and tiny sizes. Commands that
-cannot run here are in `SKIP`, each with the test that covers it."""
+cannot run here are in `SKIP`, each with the test that covers it.
+
+The launcher commands of rlhf/README.md (one per RLHF stage, at their real sizes) run as written as far as their
+torchrun line: with `--dry-run` added last, each prints the command it would start, sized to its own --tp x --pp,
+and the entry point's parser accepts what it would be given."""
 
 from __future__ import annotations
 
@@ -85,7 +89,8 @@ def argv_of(command: str) -> tuple[list[str], str | None]:
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
     """A folder with what the README's commands read: the model folders, a corpus, chats, preference
-    pairs, prompts, documents, multiple-choice rows and a reward function."""
+    pairs, prompts, documents, multiple-choice rows and a reward function (not the folders they write into, such
+    as data/: the commands make them)."""
     from megatron_patch.conversion.hf_io import copy_side_files
     from megatron_patch.tokenizer import CORPUS, TINY_TOKENIZER
     from tests.helpers import conversations, preferences
@@ -101,7 +106,6 @@ def work(tmp_path_factory):
         docs = [json.loads(line)["text"] for _, line in zip(range(400), f)]
     (root / "corpus.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
     (root / "held_out.jsonl").write_text("".join(json.dumps({"text": d[:300]}) + "\n" for d in docs[:3]))
-    (root / "data").mkdir()
     (root / "chats.jsonl").write_text("".join(json.dumps(c) + "\n" for c in conversations(40)))
     (root / "prefs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in preferences(40, 0)))
     (root / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n"
@@ -136,3 +140,42 @@ def test_every_readme_command_is_run_or_skipped_for_a_reason():
     for command in COMMANDS:
         if not any(key in command for key in SKIP):
             argv_of(command)  # raises for a command of a kind the test does not know how to run
+
+
+LAUNCHER_README = "rlhf/README.md"
+LAUNCHER_SKIP = {"rlhf/example_cpu.sh": "runs every stage for real: "
+                                        "tests/e2e/test_ppo.py::test_workflow_sft_rm_ppo_export"}
+
+
+def launcher_commands() -> list[list[str]]:
+    """The words of each command of rlhf/README.md's ```bash blocks (continuation lines joined)."""
+    text = open(os.path.join(ROOT, LAUNCHER_README), encoding="utf-8").read()
+    return [words for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S)
+            for line in block.replace("\\\n", " ").splitlines() if (words := shlex.split(line, comments=True))]
+
+
+LAUNCHERS = launcher_commands()
+
+
+@pytest.mark.parametrize("words", LAUNCHERS, ids=[shlex.join(w)[:60] for w in LAUNCHERS])
+def test_rlhf_readme_launcher_commands_run_as_written(words, tmp_path):
+    if words[0] in LAUNCHER_SKIP:
+        pytest.skip(LAUNCHER_SKIP[words[0]])
+    words = _tiny(words, TINY)
+    # --dry-run last, where a user adds an option to the README's line (before `--`: what follows is Megatron's)
+    cut = words.index("--") if "--" in words else len(words)
+    argv = ["bash", os.path.join(ROOT, words[0]), *words[1:cut], "--dry-run", *words[cut:]]
+    env = {**os.environ, "PYTHON": "/nonexistent/python", "NPROC_PER_NODE": "8"}  # never starts anything
+    p = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, (shlex.join(argv), p.stderr)
+    cmd = [w for w in shlex.split(p.stdout) if not re.match(r"^[A-Z_]+=", w)]  # less the environment it sets
+    assert cmd[0] == "/nonexistent/python" and "megatron_patch.torchrun" in cmd, p.stdout
+    entry = cmd[cmd.index("-m", cmd.index("megatron_patch.torchrun")) + 1]
+    given = cmd[cmd.index(entry) + 1:]
+    if entry in ("megatron_patch.rlhf.ppo", "megatron_patch.rlhf.grpo"):  # sized by the command's own layout
+        layout = {flag: int(words[words.index(flag) + 1]) if flag in words else 1 for flag in ("--tp", "--pp")}
+        assert int(cmd[cmd.index("--nproc_per_node") + 1]) == layout["--tp"] * layout["--pp"], p.stdout
+        assert [given[i + 1] for i, w in enumerate(given) if w == "--tp"] == [str(layout["--tp"])], given
+        import importlib
+
+        importlib.import_module(entry).parser().parse_args(given)  # the options the README gives exist

@@ -71,6 +71,31 @@ def test_reward_model_learns_the_rule(tiny_lm, tmp_path):
     assert accuracy >= 0.9, (accuracy, logged[-1])
 
 
+def test_prompt_and_answer_are_joined_as_the_readmes_say():
+    """How a preference row becomes tokens, as rlhf/README.md and megatron_patch/rlhf/README.md say: plain text is
+    the prompt's tokens, then the answer's, then the end-of-document token, each text tokenized alone with nothing
+    put between them (so a prompt that wants a separator ends with it); only the answer and the end token are
+    trained on. Chat rows (or --chat) are the chat template's rendering of a user turn and an assistant turn."""
+    import os
+
+    from megatron_patch.rlhf.data import encode
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    said = "the prompt's tokens, then the answer's, then the end-of-document token"
+    for readme in ("rlhf/README.md", "megatron_patch/rlhf/README.md"):
+        text = " ".join(open(os.path.join(root, readme), encoding="utf-8").read().split())
+        assert said in text and "nothing is put between them" in text, readme
+    tok = build_tokenizer(TINY_TOKENIZER)
+    prompt, answer = "Is the module right?", "Yes, it returns a list."
+    ids, mask = encode(tok, prompt, answer, chat=False)
+    head, tail = tok.tokenize(prompt), tok.tokenize(answer)
+    assert ids == head + tail + [tok.eod] and mask == [0] * len(head) + [1] * (len(tail) + 1)
+    assert ids[:-1] != tok.tokenize(prompt + " " + answer)  # no space put in
+    ids, mask = encode(tok, [{"role": "user", "content": prompt}], answer, chat=False)
+    enc = tok.apply_chat_template([{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}])
+    assert (ids, mask) == (list(enc.ids), list(enc.loss_mask)) == encode(tok, prompt, answer, chat=True)
+
+
 def test_bad_preference_rows(tmp_path):
     from megatron_patch.rlhf.data import read_preferences
 

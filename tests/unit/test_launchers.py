@@ -1,8 +1,10 @@
 """The launchers: one generic script per task (examples/{pretrain,sft,generate,evaluate,convert}.sh, the training
-ones over examples/launch.sh) and the recipes of released model sizes (examples/<family>/<Model>.env).
+ones over examples/launch.sh, all sharing examples/common.sh) and the recipes of released model sizes
+(examples/<family>/<Model>.env).
 
 --dry-run prints the full torchrun command (named options, recipe values, defaults, environment-sized torchrun
-run by $PYTHON, Megatron arguments passed through); --help prints the usage. Every recipe parses (here and in
+run by $PYTHON through megatron_patch.torchrun, Megatron arguments passed through); --help prints the usage; a
+launcher's own options count wherever they stand (before `--`). Every recipe parses (here and in
 bash, with the same result), its layout is valid for the released model's facts at its GPU count
 (`Layout.check`, experts, virtual pipeline, data-parallel batch), each task's command carries its values, and
 the family README's table is the one the recipes give."""
@@ -26,6 +28,8 @@ RECIPE_IDS = [os.path.relpath(p, EXAMPLES)[:-4] for p in RECIPES]  # FAMILY/MODE
 TASKS = {"PRETRAIN": ("pretrain.sh", "megatron_patch.pretrain"), "SFT": ("sft.sh", "megatron_patch.sft"),
          "RM": ("../rlhf/rm.sh", "megatron_patch.rlhf.reward_model"),
          "DPO": ("../rlhf/dpo.sh", "megatron_patch.rlhf.dpo")}
+TORCHRUN = "megatron_patch.torchrun"  # torch.distributed.run, ending as the package's tools end
+NO_PYTHON = "/nonexistent/python"  # a launcher that would start torchrun fails at once instead
 DEFAULTS = {"TP": "1", "PP": "1", "VPP": "1", "CP": "1", "EP": "1", "ETP": "", "SEQ": "4096", "MBS": "1",
             "GBS": "32", "PRECISION": "bf16", "PROFILE": "default", "GPU_ARGS": ""}
 LINE = re.compile(r'^([A-Z0-9_]+)=(?:"([^"]*)"|([^\s"#]*))\s*(?:#.*)?$')
@@ -52,16 +56,27 @@ def task_values(recipe: dict[str, str], task: str) -> dict[str, str]:
     return out
 
 
-def _run(script: str, *args: str, dry_run: bool = True, **env: str) -> tuple[int, list[str], str]:
+def _lines(script: str, *args: str, dry_run: bool = True, **env: str) -> tuple[int, list[list[str]], str]:
+    """(exit status, the words of each line printed on stdout, stderr) of a launcher."""
     environ = {k: v for k, v in os.environ.items() if k not in ("NPROC_PER_NODE", "NNODES", "MODEL", "DATA")}
     p = subprocess.run(["bash", os.path.join(EXAMPLES, script), *(["--dry-run"] if dry_run else []), *args],
                        capture_output=True, text=True, env={**environ, "PATH": "/usr/bin:/bin", **env})
-    return p.returncode, shlex.split(p.stdout) if dry_run and p.returncode == 0 else [], p.stderr
+    return p.returncode, [shlex.split(line) for line in p.stdout.splitlines()] if p.returncode == 0 else [], p.stderr
+
+
+def _run(script: str, *args: str, dry_run: bool = True, **env: str) -> tuple[int, list[str], str]:
+    code, lines, err = _lines(script, *args, dry_run=dry_run, **env)
+    return code, [w for line in lines for w in line], err
 
 
 def _entry(cmd: list[str]) -> str:
-    """The module torch.distributed.run starts."""
-    return cmd[cmd.index("-m", cmd.index("torch.distributed.run")) + 1]
+    """The module the torchrun launcher starts."""
+    return cmd[cmd.index("-m", cmd.index(TORCHRUN)) + 1]
+
+
+def _entry_args(cmd: list[str]) -> list[str]:
+    """What the entry point is given."""
+    return cmd[cmd.index("-m", cmd.index(TORCHRUN)) + 2:]
 
 
 def _opt(cmd: list[str], name: str) -> str:
@@ -76,7 +91,7 @@ def test_no_per_family_launchers():
                if not p.endswith((".env", "README.md"))]
     assert scripts == []
     assert sorted(os.path.basename(p) for p in glob.glob(os.path.join(EXAMPLES, "*.sh"))) == \
-        ["convert.sh", "evaluate.sh", "generate.sh", "launch.sh", "pretrain.sh", "sft.sh"]
+        ["common.sh", "convert.sh", "evaluate.sh", "generate.sh", "launch.sh", "pretrain.sh", "sft.sh"]
 
 
 @pytest.mark.parametrize("family", sorted(families()))
@@ -87,7 +102,7 @@ def test_every_registered_family_launches_with_model(family):
         script, entry = TASKS[task]
         code, cmd, err = _run(script, "--model", f"/models/{family}", "--data", "corpus", "--lr", "1e-5")
         assert code == 0, err
-        assert cmd[:5] == ["CUDA_DEVICE_MAX_CONNECTIONS=1", "python", "-m", "torch.distributed.run", "--nproc_per_node"]
+        assert cmd[:5] == ["CUDA_DEVICE_MAX_CONNECTIONS=1", "python", "-m", TORCHRUN, "--nproc_per_node"]
         assert _entry(cmd) == entry and _opt(cmd, data_flag) == "corpus"
         assert _opt(cmd, "--load-hf" if task in ("RM", "DPO") else "--hf-config") == f"/models/{family}"
         assert _opt(cmd, "--tokenizer-model") == f"/models/{family}"
@@ -124,14 +139,99 @@ def test_missing_required_options_and_a_layout_the_world_cannot_hold():
     assert code == 1 and "error: TP x PP x CP = 8 does not divide the 4 processes" in err
 
 
-def test_generate_evaluate_and_convert_launchers():
-    for tool in ("generate", "evaluate"):
-        text = open(os.path.join(EXAMPLES, f"{tool}.sh")).read()
-        assert f"-m megatron_patch.{tool} --mcore-dir" in text
-        code, _, err = _run(f"{tool}.sh", dry_run=False)
-        assert code != 0 and "checkpoint folder" in err
-    code, _, err = _run("convert.sh", dry_run=False)
-    assert code != 0 and "HF folder" in err
+def test_own_options_count_wherever_they_stand():
+    """A launcher option after Megatron's (a late --dry-run, --tp, --cpu) is the launcher's: it prints the command
+    instead of starting it, and sizes the layout; after `--` every word is Megatron's."""
+    code, cmd, err = _run("pretrain.sh", "--model", "m", "--data", "d", "--recompute-activations", "--tp", "2",
+                          "--cpu", "--dry-run", "--", "--seed", "7", "--tp", dry_run=False, NPROC_PER_NODE="2",
+                          PYTHON=NO_PYTHON)
+    assert code == 0, err
+    assert _opt(cmd, "--tensor-model-parallel-size") == "2" and "--cpu" in cmd and _opt(cmd, "--precision") == "fp32"
+    assert cmd[-4:] == ["--recompute-activations", "--seed", "7", "--tp"]
+
+
+@pytest.mark.parametrize("tool", ["generate", "evaluate"])
+def test_generate_and_evaluate_launchers(tool, tmp_path):
+    """examples/generate.sh / evaluate.sh: CKPT and the entry point's options, --tp/--pp/--ep sizing torchrun
+    (TP x PP x EP processes on this node), --recipe (its layout; without CKPT its HF folder) and --dry-run,
+    wherever they stand; usage errors are one `error:` line before torchrun starts."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    for args, match in (((), "CKPT"), ((str(tmp_path / "none"),), f"{tmp_path / 'none'}: no such folder"),
+                        ((str(ckpt), "--tp", "0"), "--tp takes a positive integer, got '0'"),
+                        (("--recipe", "llama/Llama-9B"), "--recipe llama/Llama-9B: no such recipe")):
+        code, _, err = _run(f"{tool}.sh", *args, dry_run=False, PYTHON=NO_PYTHON)
+        assert code == 1 and err.startswith("error: ") and len(err.splitlines()) == 1 and match in err, (args, err)
+    code, cmd, err = _run(f"{tool}.sh", str(ckpt), "--prompts", "p.jsonl", "--tp", "2", "--pp", "2", "--dry-run",
+                          dry_run=False, PYTHON=NO_PYTHON)
+    assert code == 0, err
+    assert cmd[:3] == [NO_PYTHON, "-m", TORCHRUN] and _opt(cmd, "--nproc_per_node") == "4"
+    assert _entry(cmd) == f"megatron_patch.{tool}"
+    assert _entry_args(cmd) == ["--mcore-dir", str(ckpt), "--tp", "2", "--pp", "2", "--ep", "1", "--prompts",
+                                "p.jsonl"]
+    code, cmd, err = _run(f"{tool}.sh", "--recipe", "llama/Llama-3.1-70B", "--max-new-tokens", "8")
+    assert code == 0, err
+    assert _opt(cmd, "--nproc_per_node") == "16"  # the recipe's TP 4 x PP 4
+    assert _entry_args(cmd) == ["--hf-dir", "Llama-3.1-70B", "--tp", "4", "--pp", "4", "--ep", "1",
+                                "--max-new-tokens", "8"]
+    code, cmd, err = _run(f"{tool}.sh", "--recipe", "mixtral/Mixtral-8x7B-v0.1", str(ckpt), "--tp", "1", "--pp", "1")
+    assert code == 0, err
+    assert _opt(cmd, "--nproc_per_node") == "8" and _entry_args(cmd)[:8] == [
+        "--mcore-dir", str(ckpt), "--tp", "1", "--pp", "1", "--ep", "8"]  # the options win, the recipe's EP stays
+
+
+def test_entry_point_usage_errors_come_before_the_workers(tmp_path):
+    """An option the entry point does not take: one `error:` line (argparse's message) and exit 2, from the
+    launcher itself, before any worker starts (no usage block per rank, no torchrun report)."""
+    import sys
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    code, _, err = _run("generate.sh", str(ckpt), "--prompts", "p.jsonl", "--no-such-option", dry_run=False,
+                        PYTHON=sys.executable)
+    assert code == 2 and err.strip().splitlines() == ["error: unrecognized arguments: --no-such-option (python -m "
+                                                      "megatron_patch.generate --help lists the options)"], err
+
+
+def test_convert_launcher(tmp_path):
+    """examples/convert.sh HF_DIR OUT: hf-to-mcore at the layout asked (or the recipe's), then verify; --recipe alone
+    names the HF folder; --dry-run prints both commands."""
+    for args, match in (((), "HF folder"), (("only_one",), "HF folder")):
+        code, _, err = _run("convert.sh", *args, dry_run=False, PYTHON=NO_PYTHON)
+        assert code == 1 and err.startswith("error: ") and len(err.splitlines()) == 1 and match in err, err
+    code, lines, err = _lines("convert.sh", "hf", "out", "--tp", "2", "--dtype", "bf16", "--dry-run", dry_run=False,
+                              PYTHON=NO_PYTHON)
+    assert code == 0, err
+    converter = [NO_PYTHON, "-m", "toolkits.checkpoint_converter"]
+    assert lines == [converter + ["hf-to-mcore", "--hf-dir", "hf", "--out", "out", "--tp", "2", "--pp", "1", "--ep",
+                                  "1", "--dtype", "bf16"],
+                     converter + ["verify", "--hf-dir", "hf", "--mcore-dir", "out"]]
+    code, lines, err = _lines("convert.sh", "--recipe", "llama/Llama-3.1-70B", "out", PYTHON=NO_PYTHON)
+    assert code == 0, err
+    assert lines[0][3:] == ["hf-to-mcore", "--hf-dir", "Llama-3.1-70B", "--out", "out", "--tp", "4", "--pp", "4",
+                            "--ep", "1"]
+
+
+@pytest.mark.parametrize("stage", ["ppo", "grpo"])
+def test_online_launcher_reads_its_options_anywhere(stage):
+    """rlhf/ppo.sh and grpo.sh (rlhf/online.sh): --model, --tp, --pp and --dry-run are the launcher's wherever they
+    stand (the README puts --tp after the entry point's options): torchrun gets TP x PP processes and a late --dry-run
+    prints the command instead of starting it; every other word goes to the entry point, in order (after `--`, all)."""
+    script = os.path.join(ROOT, "rlhf", f"{stage}.sh")
+    p = subprocess.run(["bash", script, "--prompts", "p.jsonl", "--model", "m", "--steps", "3", "--tp", "2",
+                        "--pp", "2", "--dry-run", "--", "--seed", "5"], capture_output=True, text=True,
+                       env={"PATH": "/usr/bin:/bin", "PYTHON": NO_PYTHON})
+    assert p.returncode == 0, p.stderr
+    cmd = shlex.split(p.stdout)
+    assert cmd[:3] == [NO_PYTHON, "-m", TORCHRUN] and _opt(cmd, "--nproc_per_node") == "4"
+    assert _entry(cmd) == f"megatron_patch.rlhf.{stage}"
+    assert _entry_args(cmd) == ["--hf-dir", "m", "--tp", "2", "--pp", "2", "--prompts", "p.jsonl", "--steps", "3",
+                                "--seed", "5"]
+    for args, match in ((["--prompts", "p.jsonl"], "--model HF_DIR is required"),
+                        (["--model", "m", "--steps", "2", "--pp", "x"], "--pp takes a positive integer, got 'x'")):
+        p = subprocess.run(["bash", script, *args], capture_output=True, text=True,
+                           env={"PATH": "/usr/bin:/bin", "PYTHON": NO_PYTHON})
+        assert p.returncode == 1 and p.stderr.startswith("error: ") and match in p.stderr, p.stderr
 
 
 def test_expert_parallel_options():
@@ -153,11 +253,15 @@ def test_help_prints_the_launchers_usage(script):
             assert text in p.stdout, (text, p.stdout)
     p = subprocess.run(["bash", os.path.join(EXAMPLES, "launch.sh"), "--help"], capture_output=True, text=True)
     assert p.returncode == 0 and "[--model DIR]" in p.stdout
+    for tool in ("generate.sh", "evaluate.sh", "convert.sh"):
+        p = subprocess.run(["bash", os.path.join(EXAMPLES, tool), "--help"], capture_output=True, text=True,
+                           env={"PATH": "/usr/bin:/bin", "PYTHON": NO_PYTHON})
+        assert p.returncode == 0 and "--recipe" in p.stdout and "--dry-run" in p.stdout, (tool, p.stdout, p.stderr)
 
 
 def test_python_variable_runs_torch_distributed():
     code, cmd, _ = _run("pretrain.sh", "--model", "m", "--data", "corpus", PYTHON="/opt/venv/bin/python")
-    assert code == 0 and cmd[1:4] == ["/opt/venv/bin/python", "-m", "torch.distributed.run"]
+    assert code == 0 and cmd[1:4] == ["/opt/venv/bin/python", "-m", TORCHRUN]
 
 
 def test_split_is_an_option_not_hard_coded():
@@ -248,7 +352,7 @@ def megatron_accepts(cmd: list[str], recipe: dict[str, str], monkeypatch) -> Non
 
     import megatron.training.arguments as megatron_args
 
-    argv = cmd[cmd.index("-m", cmd.index("torch.distributed.run")) + 2:]
+    argv = _entry_args(cmd)
     argv = [a for i, a in enumerate(argv) if a not in OURS and (i == 0 or argv[i - 1] not in OURS)]
     layers, heads, kv, experts = (recipe[k] for k in ("LAYERS", "HEADS", "KV_HEADS", "EXPERTS"))
     argv += ["--num-layers", layers, "--hidden-size", str(int(heads) * 128), "--num-attention-heads", heads,
@@ -301,6 +405,23 @@ def test_recipe_on_the_cpu():
     assert cmd[-1] == "--cpu" and _opt(cmd, "--precision") == "fp32" and "--overlap-grad-reduce" not in cmd
     assert (_opt(cmd, "--global-batch-size"), _opt(cmd, "--lr"), _opt(cmd, "--expert-model-parallel-size")) == \
         ("512", "3e-4", "8")
+
+
+def test_cpu_leaves_out_the_recipes_virtual_pipeline():
+    """--cpu drops what a CPU run cannot use from the recipe (its virtual pipeline: a tiny model on the laptop's
+    processes; its context parallelism: Transformer Engine only), saying so in one line; an option given wins."""
+    code, cmd, err = _run("pretrain.sh", "--recipe", "llama/Llama-3.1-70B", "--data", "d", "--cpu", "--tp", "1",
+                          "--pp", "1")
+    assert code == 0, err
+    assert "--num-virtual-stages-per-pipeline-rank" not in cmd and _opt(cmd, "--context-parallel-size") == "1"
+    assert err.splitlines() == ["note: --cpu leaves out what a CPU run cannot use: recipe llama/Llama-3.1-70B's "
+                                "virtual pipeline (VPP 5), context parallelism (CP 2)"], err
+    code, cmd, err = _run("pretrain.sh", "--recipe", "llama/Llama-3.1-70B", "--data", "d", "--cpu", "--tp", "1",
+                          "--pp", "4", "--vpp", "2", NPROC_PER_NODE="4")
+    assert code == 0 and _opt(cmd, "--num-virtual-stages-per-pipeline-rank") == "2", err
+    assert "VPP" not in err and "CP 2" in err
+    code, cmd, err = _run("pretrain.sh", "--recipe", "llama/Llama-3.1-8B", "--data", "d", "--cpu", "--tp", "1")
+    assert code == 0 and err == "", err  # nothing left out: nothing said
 
 
 def test_recipe_errors(tmp_path):
@@ -381,9 +502,6 @@ def test_examples_readme_commands_dry_run(readme):
         env = dict(w.split("=", 1) for w in words if re.match(r"^[A-Z_]+=", w))
         words = [w for w in words if not re.match(r"^[A-Z_]+=", w)]
         script = os.path.relpath(os.path.join(ROOT, words[0]), EXAMPLES)
-        if script.endswith(("generate.sh", "evaluate.sh", "convert.sh")):
-            assert os.path.exists(os.path.join(EXAMPLES, script)), command
-            continue
         code, cmd, err = _run(script, *words[1:], **{"NPROC_PER_NODE": "8", **env})
         assert code == 0, (command, err)
 

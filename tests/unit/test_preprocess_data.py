@@ -178,6 +178,24 @@ def test_existing_output_needs_overwrite(tmp_path, capsys, good, tok, texts):
                                             "out_text_document.idx"]
 
 
+def test_output_folder_is_created(tmp_path, capsys, good, tok, texts):
+    """--output-prefix data/corpus with no data/ folder yet: the folders are made (the README's first command runs
+    as written in a fresh folder); a run that fails leaves none of the folders it made behind."""
+    prefix = tmp_path / "new" / "data" / "corpus"
+    code, err = run_main(capsys, ["--input", str(tmp_path / "missing.jsonl"), "--output-prefix", str(prefix),
+                                  "--tokenizer", TINY_TOKENIZER])
+    assert code == 1 and not (tmp_path / "new").exists(), err
+    bad = write_jsonl(tmp_path / "bad.jsonl", ["fine"])
+    with open(bad, "a") as f:
+        f.write("not json\n")
+    code, err = run_main(capsys, ["--input", bad, "--output-prefix", str(prefix), "--tokenizer", TINY_TOKENIZER])
+    assert code == 1 and "line 2 is not valid JSON" in err and not (tmp_path / "new").exists(), err
+    code, err = run_main(capsys, ["--input", good, "--output-prefix", str(prefix), "--tokenizer", TINY_TOKENIZER])
+    assert code == 0, err
+    assert read_back(str(prefix) + "_text_document") == [tok.tokenize(t) for t in texts[:20] if t]
+    assert sorted(os.listdir(prefix.parent)) == ["corpus_text_document.bin", "corpus_text_document.idx"]
+
+
 def test_input_without_tokens_is_refused(tmp_path, capsys):
     """Only empty documents (or an empty file): an error and no dataset, not an empty dataset and exit 0."""
     for name, lines in (("empty_docs.jsonl", ['{"text": ""}', '{"text": ""}']), ("empty_file.jsonl", [])):
