@@ -95,7 +95,6 @@ def read_prompts(path: str | None, tokenizer, chat: bool = False) -> tuple[list[
     are rendered with the tokenizer's chat template and a generation prompt. An empty prompt (an empty
     string or message list, or text that tokenizes to nothing) is refused with its line number."""
     import os
-    import sys
 
     from megatron_patch.jsonl import read_jsonl_numbered
 
@@ -104,7 +103,7 @@ def read_prompts(path: str | None, tokenizer, chat: bool = False) -> tuple[list[
             raise ValueError(f"{path} does not exist")
         where, rows = path, read_jsonl_numbered(path, need_any=("prompt", "messages"))
     else:
-        where, rows = "<stdin>", [(n, {"prompt": line.rstrip("\n")}) for n, line in enumerate(sys.stdin, 1)
+        where, rows = "<stdin>", [(n, {"prompt": line.rstrip("\n")}) for n, line in enumerate(stdin_lines(), 1)
                                   if line.strip()]
     texts, ids = [], []
     for n, row in rows:
@@ -134,6 +133,22 @@ def read_prompts(path: str | None, tokenizer, chat: bool = False) -> tuple[list[
     if not ids:
         raise ValueError(f"no prompts in {where}")
     return texts, ids
+
+
+def stdin_lines() -> list[str]:
+    """Standard input's lines. Under torchrun every process inherits the one stdin and the first to read it
+    takes all: the first rank reads, and its lines are sent to the others."""
+    import sys
+
+    import torch.distributed as dist
+
+    from megatron_patch.models.parallel import join_launcher_world
+
+    if not join_launcher_world():
+        return list(sys.stdin)
+    box = [list(sys.stdin) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, 0)
+    return box[0]
 
 
 def check_stop(stop: Sequence[str], name: str = "stop") -> None:

@@ -32,6 +32,21 @@ def current_etp_rank() -> int:
     return ps.get_expert_tensor_parallel_rank()
 
 
+def join_launcher_world() -> bool:
+    """Under torchrun (WORLD_SIZE > 1), join its world once (NCCL on GPUs, gloo on CPUs); whether this process
+    is in a world of several."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return dist.get_world_size() > 1
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return False
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return True
+
+
 def ensure_model_parallel(tp: int, pp: int, ep: int = 1, etp: int | None = None) -> None:
     """Initialise a gloo world of one and TP=PP=1 model parallelism when nothing is set up yet
     (converter and verification tools; training sets up its own world). The RNG tracker is the
@@ -39,13 +54,8 @@ def ensure_model_parallel(tp: int, pp: int, ep: int = 1, etp: int | None = None)
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    if not dist.is_initialized():
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        if world > 1:  # launched by torchrun: join its world (NCCL on GPUs, gloo on CPUs)
-            if torch.cuda.is_available():
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-        elif tp * pp * ep != 1:
+    if not dist.is_initialized() and not join_launcher_world():
+        if tp * pp * ep != 1:
             raise RuntimeError(f"TP={tp} x PP={pp} x EP={ep} needs at least {tp * pp * ep} processes: run under "
                                f"torchrun --nproc-per-node {tp * pp * ep}")
         else:

@@ -480,3 +480,29 @@ def test_attention_the_dynamic_engine_lacks_runs_on_the_static_one(variant, why,
             ref = c.ref.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
                                  pad_token_id=0)[0, len(prompt):].tolist()
         assert mine == ref, (variant, mine, ref)
+
+
+def test_stdin_prompts_under_torchrun_at_tp2(setup):
+    """`echo PROMPT | torchrun --nproc-per-node 2 -m megatron_patch.generate --tp 2`: every process inherits the
+    one stdin and the first to read it took all (rank 1 failed with "no prompts in <stdin>"); the first rank
+    reads, the others receive its lines. Rows = the one-process run's (checked against transformers above)."""
+    import os
+    import subprocess
+    import sys
+
+    from tests._cpu import free_port
+
+    root, _, mc = setup
+    argv = ["--mcore-dir", mc, "--greedy", "--max-new-tokens", "6", "--no-stream"]
+    env = {**os.environ, "TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1"}
+    stdin = "\n".join(PROMPTS) + "\n"
+    one = subprocess.run([sys.executable, "-m", "megatron_patch.generate", *argv], input=stdin, capture_output=True,
+                         text=True, env=env, timeout=300)
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master_port",
+                          str(free_port()), "-m", "megatron_patch.generate", *argv, "--tp", "2"], input=stdin,
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert two.returncode == 0, two.stderr[-3000:]
+    rows = [json.loads(line) for line in two.stdout.splitlines() if line.startswith("{\"prompt\"")]
+    assert [r["prompt"] for r in rows] == PROMPTS
+    assert rows == [json.loads(line) for line in one.stdout.splitlines() if line.startswith("{\"prompt\"")]
