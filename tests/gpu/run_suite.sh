@@ -31,5 +31,5 @@ case "$part" in
   *) echo "error: unknown part '$part' (smoke, quick, proofs or all)" >&2; exit 2 ;;
 esac
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-GPU_REPORT=$OUT/gpu_$part.jsonl python3 -m pytest -q -p no:warnings -p no:cacheprovider -rf "${sel[@]}" 2>&1 | tee "$OUT/gpu_$part.log" | tail -40
+GPU_REPORT=$OUT/gpu_$part.jsonl python3 -m pytest -q -p no:warnings -p no:cacheprovider -rf --durations=8 "${sel[@]}" 2>&1 | tee "$OUT/gpu_$part.log" | tail -40
 exit "${PIPESTATUS[0]}"

@@ -13,7 +13,12 @@ def test_pretrain_bf16_fp8_resume_and_layouts(tmp_path):
     for key in ("bf16_loss_1_10_last10", "fp8_loss_1_10_last10"):
         first, last = report[key]
         assert last < first - 1.0, (key, first, last)  # the loss falls
-    assert report["fp8_vs_bf16_max_diff_last10"] <= 0.1  # FP8 converges like BF16
+    # FP8 converges like BF16: the mean losses of the last ten iterations within 4% of each other. Healthy runs
+    # measured 1.5% (2026-12-01, fp8 behind), 1.3% / 2.0% / 2.5% (2026-11-29, 11-30, 12-02, fp8 ahead), and the
+    # two trajectories part by more mid-run (4.1% at iteration 50 on 2026-11-29) before they meet again; an FP8
+    # run that does not train (overflowing scales, stale amax) stays above 6 (> 45%). The largest single-iteration
+    # difference is reported (fp8_vs_bf16_max_diff_last10), not bounded: 0.062 to 0.111 in the same healthy runs
+    assert report["fp8_vs_bf16_rel_gap_last10"] <= 0.04, report["curves_every_10"]
     assert report["resume_max_diff"] <= 0.02  # bf16 kernels are not bitwise deterministic
     for key in ("tp2_vs_tp1_max_diff", "pp2_vs_tp1_max_diff"):
         if report[key] is not None:

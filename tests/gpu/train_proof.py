@@ -81,6 +81,15 @@ def compare(a: dict, b: dict, iters) -> float | None:
     return max(abs(a[i] - b[i]) for i in common) if common else None
 
 
+def rel_gap(a: dict, b: dict, iters) -> float | None:
+    """|mean(b) - mean(a)| / mean(a) over the iterations both runs logged."""
+    common = [i for i in iters if i in a and i in b]
+    if not common:
+        return None
+    ma, mb = sum(a[i] for i in common) / len(common), sum(b[i] for i in common) / len(common)
+    return abs(mb - ma) / ma
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
@@ -135,6 +144,9 @@ def main() -> None:
         "fp8_loss_1_10_last10": [sum(fp8.get(i, 0) for i in range(1, 11)) / 10,
                                  sum(fp8.get(i, 0) for i in range(n - 9, n + 1)) / 10],
         "fp8_vs_bf16_max_diff_last10": compare(bf16, fp8, range(n - 9, n + 1)),
+        "fp8_vs_bf16_rel_gap_last10": rel_gap(bf16, fp8, range(n - 9, n + 1)),
+        "curves_every_10": {k: [runs[k]["losses"].get(i) for i in [1, *range(10, n + 1, 10)]]
+                            for k in ("bf16", "fp8") if k in runs},
         "resume_max_diff": compare(bf16, runs["bf16_resume"]["losses"], range(half + 1, n + 1)),
         "resume_iters": sorted(runs["bf16_resume"]["losses"])[:1] + sorted(runs["bf16_resume"]["losses"])[-1:],
         "tp2_vs_tp1_max_diff": compare(tp1, runs.get("hf_tp2", empty)["losses"], range(1, short + 1)),
