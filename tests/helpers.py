@@ -91,9 +91,10 @@ def tiny_lm_folder(path: str, variant: str = "gqa", reward: bool = False, seed: 
 
 def ppo_steps(rank: int, argv: list[str], steps: int = 2) -> list[tuple[dict, list]]:
     """`steps` PPO steps on this rank (a `_cpu.run_world` worker): each step's metrics and the rollouts' tokens."""
-    from megatron_patch.rlhf.ppo import parser, setup
+    from megatron_patch.rlhf.loop import OnlineRL
+    from megatron_patch.rlhf.ppo import PPO, parser
 
-    trainer, _ = setup(parser().parse_args(argv))
+    trainer = OnlineRL(parser().parse_args(argv), PPO)
     out = []
     for step in range(steps):
         row, rollouts = trainer.step(step)

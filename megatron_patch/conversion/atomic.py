@@ -17,7 +17,7 @@ import stat
 import sys
 import tempfile
 from collections.abc import Iterable, Iterator, Mapping
-from typing import TextIO
+from typing import BinaryIO, TextIO
 
 PARTIAL = ".partial-"
 OLD = ".old-"
@@ -100,16 +100,16 @@ def check_output_file(path: str, flag: str) -> None:
 
 
 @contextlib.contextmanager
-def atomic_output_file(path: str) -> Iterator[TextIO]:
-    """A text file to write `path` through: a temporary file beside it, renamed over `path` when the block
-    ends normally, removed on any error (Ctrl-C and SIGTERM included), leaving `path` as it was. The
-    file gets the mode `open(path, "w")` would give it: an existing file's, else 0o666 less the umask
-    (a temporary file is created private, 0o600)."""
+def atomic_output_file(path: str, binary: bool = False) -> Iterator[TextIO | BinaryIO]:
+    """A text file (`binary`: a binary one) to write `path` through: a temporary file beside it, renamed over
+    `path` when the block ends normally, removed on any error (Ctrl-C and SIGTERM included), leaving `path` as
+    it was. The file gets the mode `open(path, "w")` would give it: an existing file's, else 0o666 less the
+    umask (a temporary file is created private, 0o600)."""
     path = os.path.abspath(path)
     mode = stat.S_IMODE(os.stat(path).st_mode) if os.path.isfile(path) else 0o666 & ~_umask()
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}{PARTIAL}", dir=os.path.dirname(path))
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        with (os.fdopen(fd, "wb") if binary else os.fdopen(fd, "w", encoding="utf-8")) as f:
             yield f
         os.chmod(tmp, mode)
         os.replace(tmp, path)

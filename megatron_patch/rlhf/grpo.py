@@ -19,17 +19,21 @@ per completion token (ratio against the policy that sampled, the k3 KL estimator
 model), averaged over each completion's tokens and then over completions, with AdamW. The policy is a
 megatron-core GPTModel of any registered family (TP and PP under torchrun; one data-parallel replica); the final
 policy is written to `--out` as an HF folder. One JSON line per step (mean reward, KL, loss), then a summary.
+`--save DIR` keeps checkpoints (every `--save-interval` steps and at the end) and `--load DIR` resumes the latest
+exactly, as PPO's (`megatron_patch.rlhf.checkpoint`). The loop is `megatron_patch.rlhf.loop`'s; this module is
+GRPO's arithmetic.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import json
 import sys
-import time
 
 import torch
+
+from megatron_patch.rlhf.loop import Algorithm, Batch, add_loop_args, update
+from megatron_patch.rlhf.loop import main as run_main
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -52,105 +56,77 @@ def grpo_loss(logps, old, ref, advantages, mask, clip: float, kl_coef: float):
 
 def _logits_loss(logits, labels, old, ref, advantages, mask, clip: float, kl_coef: float, vocab_size: int):
     """`grpo_loss` from the policy's logits, with its metrics (`pipeline.forward_backward`'s loss function)."""
-    from megatron_patch.rlhf.rollout import logps_of
+    from megatron_patch.rlhf.logprobs import logps_of
 
     loss, kl = grpo_loss(logps_of(logits, labels, vocab_size), old, ref, advantages, mask, clip, kl_coef)
     return loss, {"loss": loss.item(), "kl": kl}
 
 
-def train(args) -> dict:
-    from megatron_patch.cli import is_first_rank
-    from megatron_patch.conversion.atomic import check_output
-    from megatron_patch.inference import model_folder, read_prompts
-    from megatron_patch.models import pipeline, vocab_size
-    from megatron_patch.names import torch_dtype
-    from megatron_patch.rlhf.rollout import (
-        check_finite,
-        check_layout,
-        load_reward,
-        optimizer_step,
-        policy_and_reference,
-        reward_summary,
-        rewards_of,
-        rollout,
-        save_hf,
-        token_logps,
-    )
-    from megatron_patch.tokenizer import build_tokenizer
+class GRPO(Algorithm):
+    """Group-normalised advantages and the clipped policy loss with a KL penalty (`grpo_loss`)."""
 
-    check_layout(args, "GRPO")
-    if args.group_size < 2:
-        raise ValueError("--group-size must be >= 2: advantages are normalised within each prompt's group, so a "
-                         "group of one always has advantage 0 and nothing is learned")
-    if args.out:
-        check_output(args.out, args.overwrite, [args.hf_dir, args.mcore_dir])
-    elif is_first_rank():
-        print("warning: no --out: the trained policy will not be saved", file=sys.stderr)
-    reward_fn = load_reward(args.reward)
-    tok_dir = args.tokenizer or model_folder(args.mcore_dir, args.hf_dir)
-    tokenizer = build_tokenizer(tok_dir)
-    texts, prompt_ids = read_prompts(args.prompts, tokenizer, args.chat)
-    torch.manual_seed(args.seed)
-    policy, reference, cfg = policy_and_reference(args.mcore_dir, args.hf_dir, args.tp, args.pp, args.impl,
-                                                  torch_dtype(args.dtype))
-    opt = torch.optim.AdamW([p for p in policy.parameters()], lr=args.lr, weight_decay=0.0)
-    device = next(policy.parameters()).device
-    vocab = vocab_size(cfg)
-    history, start = [], time.time()
-    for step in range(args.steps):
-        # each prompt `group_size` times in a row: the groups whose rewards are normalised together
-        rows = [(step * args.prompts_per_step + i) % len(prompt_ids) for i in range(args.prompts_per_step)
-                for _ in range(args.group_size)]
-        r = rollout(policy, tokenizer, [prompt_ids[i] for i in rows], args.max_new_tokens, args.temperature,
-                    args.top_p, args.seed + step, device, args.engine)
-        rewards = rewards_of(reward_fn, args.reward, texts, rows, r.texts, args.group_size)
-        advantages = group_advantages(rewards, args.group_size).to(device)
-        tokens, labels, mask = r.tokens, r.labels, r.mask
-        old = token_logps(policy, tokens, labels, vocab)
-        ref = token_logps(reference, tokens, labels, vocab)
+    name = "GRPO"
 
-        loss_fn = functools.partial(_logits_loss, labels=labels, old=old, ref=ref, advantages=advantages, mask=mask,
-                                    clip=args.clip, kl_coef=args.kl_coef, vocab_size=vocab)
-        policy.train()
-        for _ in range(args.epochs):
-            opt.zero_grad(set_to_none=True)
-            metrics = pipeline.forward_backward(policy, tokens, loss_fn)
-            check_finite(metrics["loss"], step)
-            optimizer_step(policy, opt, args.clip_grad)
-        row = {"step": step + 1, "reward": round(float(rewards.mean()), 4), "kl": round(metrics["kl"], 5),
-               "loss": round(metrics["loss"], 5)}
-        history.append(row)
-        if is_first_rank():
-            print(json.dumps(row), file=sys.stderr, flush=True)
-    if args.out:
-        save_hf(policy, cfg, tok_dir, args.out, args.tp, args.pp, args.overwrite)
-    return {"steps": len(history), **reward_summary(history), "seconds": round(time.time() - start, 1),
-            "out": args.out, "history": history}
+    @staticmethod
+    def check_args(args) -> None:
+        if args.group_size < 2:
+            raise ValueError("--group-size must be >= 2: advantages are normalised within each prompt's group, so "
+                             "a group of one always has advantage 0 and nothing is learned")
+
+    @staticmethod
+    def group_size(args) -> int:
+        return args.group_size
+
+    def advantages(self, batch: Batch) -> torch.Tensor:
+        """[rows] advantage of each completion."""
+        return group_advantages(batch.scores, self.loop.args.group_size)
+
+    def loss_kl_coef(self) -> float:
+        """The weight of the KL term in the loss."""
+        return self.loop.args.kl_coef
+
+    def loss_fn(self, batch: Batch, advantages: torch.Tensor):
+        """The policy's loss from its logits with its metrics (`pipeline.forward_backward`'s loss function)."""
+        r = batch.rollouts
+        return functools.partial(_logits_loss, labels=r.labels, old=batch.old, ref=batch.ref, advantages=advantages,
+                                 mask=r.mask, clip=self.loop.args.clip, kl_coef=self.loss_kl_coef(),
+                                 vocab_size=self.loop.vocab)
+
+    def train_step(self, batch: Batch) -> dict:
+        loop, a = self.loop, self.loop.args
+        loss_fn = self.loss_fn(batch, self.advantages(batch))
+        for _ in range(a.epochs):
+            metrics = update(loop.policy, loop.policy_opt, batch.rollouts.tokens, loss_fn, batch.step, a.clip_grad)
+        return {"reward": round(float(batch.scores.mean()), 4), "kl": round(metrics["kl"], 5),
+                "loss": round(metrics["loss"], 5)}
 
 
 def parser() -> argparse.ArgumentParser:
     from megatron_patch.cli import HelpFormatter, positive_float, positive_int
-    from megatron_patch.rlhf.rollout import add_rollout_args
 
     p = argparse.ArgumentParser(prog="python -m megatron_patch.rlhf.grpo", description=__doc__,
                                 formatter_class=HelpFormatter)
-    add_rollout_args(p, prompts_per_step=8, out_help="write the final policy here as an HF folder",
-                     seed_help="sampling seed", clip_grad_help="gradient norm clip")
-    p.add_argument("--reward", required=True, help="module:function, called as fn(prompt, completion) -> float")
-    p.add_argument("--steps", type=positive_int, default=100, help="optimisation steps")
-    p.add_argument("--group-size", type=positive_int, default=8, help="completions per prompt (>= 2)")
-    p.add_argument("--lr", type=positive_float, default=1e-6, help="AdamW learning rate")
-    p.add_argument("--epochs", type=positive_int, default=1, help="policy updates per batch of rollouts")
+    add_group_args(p)
     p.add_argument("--clip", type=positive_float, default=0.2, help="PPO-style ratio clip")
     p.add_argument("--kl-coef", type=float, default=0.04, help="weight of the KL penalty to the starting model")
+    p.add_argument("--epochs", type=positive_int, default=1, help="policy updates per batch of rollouts")
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    from megatron_patch.cli import run as run_tool
+def add_group_args(p: argparse.ArgumentParser) -> None:
+    """The options of the group-sampling trainers (GRPO, RLOO): the loop's, a rule reward, the steps and the
+    group size."""
+    from megatron_patch.cli import positive_int
 
-    args = parser().parse_args(argv)
-    return run_tool(lambda: train(args))[0]
+    add_loop_args(p, prompts_per_step=8, out_help="write the final policy here as an HF folder",
+                  seed_help="sampling seed", clip_grad_help="gradient norm clip")
+    p.add_argument("--reward", required=True, help="module:function, called as fn(prompt, completion) -> float")
+    p.add_argument("--steps", type=positive_int, default=100, help="optimisation steps")
+    p.add_argument("--group-size", type=positive_int, default=8, help="completions per prompt (>= 2)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_main(argv, parser, GRPO)
 
 
 if __name__ == "__main__":

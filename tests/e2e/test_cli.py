@@ -207,7 +207,7 @@ def test_demo_prints_the_commands_a_user_would_type(tmp_path):
 
 
 @pytest.mark.parametrize("module", ["megatron_patch.generate", "megatron_patch.evaluate", "megatron_patch.rlhf.grpo",
-                                    "megatron_patch.rlhf.ppo", "toolkits.preprocess_data"])
+                                    "megatron_patch.rlhf.rloo", "megatron_patch.rlhf.ppo", "toolkits.preprocess_data"])
 def test_every_tool_option_says_what_it_does(module, monkeypatch):
     """Each option of our tools' own parsers has a help text (and HelpFormatter shows its default)."""
     import argparse

@@ -103,7 +103,7 @@ def test_completions_that_stopped_are_trained_with_their_end_token():
 def test_non_finite_loss_stops_before_the_step_and_writes_nothing(cpu_megatron, tiny_lm, prompts, tmp_path,
                                                                  monkeypatch, capsys):
     """A loss that is not finite (a diverged run) stops GRPO before the optimizer writes NaN into the weights
-    (`rollout.check_finite`); the policy is not exported."""
+    (`loop.check_finite`); the policy is not exported."""
     from megatron_patch.rlhf import grpo
 
     real = grpo.grpo_loss
@@ -116,17 +116,17 @@ def test_non_finite_loss_stops_before_the_step_and_writes_nothing(cpu_megatron, 
 
 
 def test_export_with_non_finite_weights_is_refused(cpu_megatron, tiny_lm, tmp_path):
-    """The online trainers' HF export (`rollout.save_hf`, the converter's writer) refuses weights with NaN /
+    """The online trainers' HF export (`loop.save_hf`, the converter's writer) refuses weights with NaN /
     Inf, naming the tensor, and leaves no folder."""
     from megatron_patch.inference import load_model
-    from megatron_patch.rlhf.rollout import save_hf
+    from megatron_patch.rlhf.loop import save_hf
 
     model, cfg = load_model(None, tiny_lm)
     with torch.no_grad():
         model.decoder.layers[1].mlp.linear_fc2.weight[0, 0] = math.inf
     out = tmp_path / "policy"
     with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.down_proj\.weight.*(Inf|inf|non-finite)"):
-        save_hf(model, cfg, tiny_lm, str(out), 1)
+        save_hf(model, cfg, tiny_lm, str(out))
     assert not out.exists() and not [p for p in tmp_path.iterdir() if ".partial-" in p.name]
 
 
@@ -142,3 +142,26 @@ def test_help_describes_grpo_alone(capsys):
     for word in ("value head", "critic", "each model"):
         assert word not in text, word
     assert "value head" in ppo.parser().format_help()
+
+
+def test_resume_equals_an_uninterrupted_run(cpu_megatron, tiny_lm, prompts, tmp_path, capsys):
+    """GRPO keeps checkpoints like PPO (`rlhf.checkpoint`, through the shared loop): 2 steps saved, then resumed
+    to 3, give the uninterrupted 3-step run's history and weights bit for bit."""
+    from megatron_patch.conversion.hf_io import read_all
+
+    straight, resumed, ckpt = (str(tmp_path / n) for n in ("straight", "resumed", "ckpt"))
+    fast = ("--lr", "3e-3", "--epochs", "2")
+    assert _grpo(tiny_lm, prompts, "constant_reward", "--steps", "3", "--out", straight, *fast) == 0
+    whole = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert _grpo(tiny_lm, prompts, "constant_reward", "--steps", "2", "--save", ckpt, "--save-interval", "1",
+                 *fast) == 0
+    assert open(tmp_path / "ckpt" / "latest").read().strip() == "2"
+    capsys.readouterr()
+    assert _grpo(tiny_lm, prompts, "constant_reward", "--steps", "3", "--load", ckpt, "--save", ckpt, "--out",
+                 resumed, *fast) == 0
+    again = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert again["resumed_at"] == 2 and again["history"] == whole["history"]
+    assert len({row["loss"] for row in whole["history"]}) > 1  # the steps trained on different policies
+    x, y = read_all(straight), read_all(resumed)
+    assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+    assert any(not torch.equal(x[k], v) for k, v in read_all(tiny_lm).items())  # trained

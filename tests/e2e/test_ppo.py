@@ -436,22 +436,15 @@ def test_every_option_says_what_it_does():
 
 
 def test_a_failed_checkpoint_save_leaves_no_partial_file(cpu_megatron, tmp_path, monkeypatch):
-    """A save that fails (disk full, preemption) leaves neither a half-written rank file nor its `.partial`."""
-    from types import SimpleNamespace
+    """A save that fails (disk full, preemption) leaves neither a half-written rank file nor its temporary file,
+    and no tracker (`rlhf.checkpoint`, shared by the online trainers)."""
+    from megatron_patch.rlhf import checkpoint
 
-    from megatron_patch.rlhf.ppo import Trainer
-
-    trainer = Trainer.__new__(Trainer)
-    net = torch.nn.Linear(2, 2)
-    trainer.policy = trainer.critic = net
-    trainer.policy_opt = trainer.critic_opt = torch.optim.AdamW(net.parameters())
-    trainer.args, trainer.kl, trainer.history = SimpleNamespace(tp=1, pp=1), SimpleNamespace(value=0.1), []
-
-    def full_disk(obj, path):
-        open(path, "wb").write(b"half")
+    def full_disk(obj, f):
+        f.write(b"half")
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(torch, "save", full_disk)
     with pytest.raises(OSError):
-        trainer.save(str(tmp_path), 1)
+        checkpoint.save(str(tmp_path), 1, {"actor": {}}, {"tp": 1, "pp": 1, "history": []})
     assert os.listdir(tmp_path / "step_000001") == [] and not os.path.exists(tmp_path / "latest")

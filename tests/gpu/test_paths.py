@@ -4,7 +4,7 @@
   the local spec, and `python -m megatron_patch.evaluate`'s perplexity equals exp(HF's mean token loss);
 - the lm-eval adapter (`--model megatron_patch`) equals lm-eval's own `hf` model on local tasks (scores,
   greedy flags, accuracy, generated text), both on the GPU;
-- the rollout log-probabilities of RLHF (`rollout.token_logps`, through `pipeline.forward_everywhere`) equal
+- the rollout log-probabilities of RLHF (`logprobs.token_logps`, through `pipeline.forward_everywhere`) equal
   transformers'; one PPO and one GRPO run of two steps: the first step's policy is its reference (KL 0), the
   second trained on an updated policy, every metric finite;
 - `megatron_patch.pretrain` trains 5 iterations in bf16 and in fp8 (TE, mock data): the first loss is the
@@ -146,7 +146,7 @@ def test_lm_eval_adapter_equals_lm_eval_hf(trained, converted, tmp_path):
 @pytest.mark.parametrize("impl", [TE, "local"])
 def test_rollout_logprobs_equal_transformers(trained, impl):
     from megatron_patch.inference import load_model
-    from megatron_patch.rlhf.rollout import token_logps
+    from megatron_patch.rlhf.logprobs import token_logps
 
     hf_dir, prompts, _ = trained
     model, _ = load_model(None, hf_dir, impl=impl)

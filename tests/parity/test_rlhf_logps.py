@@ -1,4 +1,4 @@
-"""The RLHF log-probabilities (`rollout.token_logps`: old and reference log-probs of GRPO / PPO, and through
+"""The RLHF log-probabilities (`logprobs.token_logps`: old and reference log-probs of GRPO / PPO, and through
 `logps_of` their losses) are the HF model's: log_softmax over the model's vocabulary, not over megatron's padded
 one (1000 tokens padded to 1024 here: the 24 padding columns are zero rows, logit 0, and took a share of the
 softmax: on CPU a random model's log-probs were off by ~2e-2, on an H200 a trained one's by 6e-3). At TP = 1 and
@@ -26,7 +26,7 @@ def _ours(rank: int, variant: str, tp: int) -> torch.Tensor:
     from megatron_patch.conversion.engine import hf_to_megatron, load_rank_state_dict, make_plan
     from megatron_patch.models import Layout, build_model
     from megatron_patch.models.parallel import current_rank
-    from megatron_patch.rlhf.rollout import token_logps
+    from megatron_patch.rlhf.logprobs import token_logps
 
     if tp > 1:
         _cpu.init_model_parallel(tp, 1)
