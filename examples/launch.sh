@@ -33,7 +33,8 @@
 # Defaults: --tp 1 --pp 1 --cp 1 --ep 1 --precision bf16 --seq-length 4096 --mbs 1 --gbs 32 --lr 3e-4 (--min-lr:
 # the lr / 10, cosine) --iters 1000 --out checkpoints/run (saved at the end and every 1000 iterations; resumed from).
 # Environment: NPROC_PER_NODE (default: GPUs visible, else 1), NNODES (1), NODE_RANK (0), MASTER_ADDR
-# (localhost), MASTER_PORT (6000); PYTHON (python: the interpreter that runs torchrun, as megatron_patch.torchrun).
+# (localhost), MASTER_PORT (6000; on one node with neither set, torchrun --standalone picks a free port); PYTHON
+# (python: the interpreter that runs torchrun, as megatron_patch.torchrun).
 # The entry point's own options and every Megatron-LM argument: python -m megatron_patch.<entry> --help.
 set -euo pipefail
 # shellcheck source=common.sh
@@ -145,8 +146,15 @@ LAYOUT_ARGS=(--tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "
 [[ -z "$ETP" ]] || LAYOUT_ARGS+=(--expert-tensor-parallel-size "$ETP")
 [[ "$VPP" == 1 ]] || LAYOUT_ARGS+=(--num-virtual-stages-per-pipeline-rank "$VPP")
 if [[ "$FROM_HF" == 1 ]]; then MODEL_ARGS=(--load-hf "$MODEL"); else MODEL_ARGS=(--hf-config "$MODEL"); fi
-CMD=("${TORCHRUN[@]}" --nproc_per_node "$NPROC_PER_NODE" --nnodes "${NNODES:-1}"
-     --node_rank "${NODE_RANK:-0}" --master_addr "${MASTER_ADDR:-localhost}" --master_port "${MASTER_PORT:-6000}"
+# one node and no MASTER_ADDR / MASTER_PORT: torchrun's --standalone, on a free port (two jobs on one machine do
+# not both take 6000); several nodes, or either variable set: the rendezvous they name
+if [[ "${NNODES:-1}" == 1 && -z "${MASTER_ADDR:-}" && -z "${MASTER_PORT:-}" ]]; then
+  RDZV=(--standalone)
+else
+  RDZV=(--nnodes "${NNODES:-1}" --node_rank "${NODE_RANK:-0}" --master_addr "${MASTER_ADDR:-localhost}"
+        --master_port "${MASTER_PORT:-6000}")
+fi
+CMD=("${TORCHRUN[@]}" --nproc_per_node "$NPROC_PER_NODE" "${RDZV[@]}"
      -m "megatron_patch.$ENTRY" "${MODEL_ARGS[@]}"
      --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER" "${DATA_ARGS[@]}" "${LAYOUT_ARGS[@]}"
      --precision "$PRECISION" --throughput-profile "$PROFILE"

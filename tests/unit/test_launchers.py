@@ -130,6 +130,19 @@ def test_named_options_environment_and_passthrough():
     assert cmd[-3:] == ["--recompute-activations", "--seed", "7"]  # passed through last: they win
 
 
+def test_one_node_takes_a_free_port_unless_told():
+    """Two jobs on one machine (or two test suites) must not both take port 6000: on one node with neither
+    MASTER_ADDR nor MASTER_PORT set, torchrun runs --standalone (a free port); either variable, or several nodes,
+    gives the rendezvous they name (seen failing: two `make test` runs at once, EADDRINUSE on 6000)."""
+    base = ("--model", "/m/Qwen2.5-0.5B", "--data", "/d/x_text_document")
+    code, cmd, err = _run("pretrain.sh", *base, MASTER_ADDR="", MASTER_PORT="")  # unset, whatever this process has
+    assert code == 0, err
+    assert "--standalone" in cmd and "--master_port" not in cmd and "--nnodes" not in cmd
+    code, cmd, err = _run("pretrain.sh", *base, MASTER_ADDR="", MASTER_PORT="6123")
+    assert code == 0 and "--standalone" not in cmd, err
+    assert (_opt(cmd, "--master_addr"), _opt(cmd, "--master_port"), _opt(cmd, "--nnodes")) == ("localhost", "6123", "1")
+
+
 def test_missing_required_options_and_a_layout_the_world_cannot_hold():
     code, _, err = _run("pretrain.sh", "--model", "m")
     assert code == 1 and "--data PREFIX is required" in err
