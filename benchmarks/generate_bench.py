@@ -174,8 +174,8 @@ def run_shape(a, shape: str, prompts: list[list[int]], timer: Timer) -> list[dic
                                   pad_token_id=0, **kw)
             assert out.shape[1] == padded + new
 
-        runs = [("ours (dynamic engine)", ours),
-                ("ours (static engine)", lambda new=a.new: ours(new, "static"))]
+        runs = [(f"ours ({engine} engine)", lambda new=a.new, engine=engine: ours(new, engine))
+                for engine in a.engines]
         if "hf" in a.hf:
             runs.append(("HF generate", hf_call))
         if "hf-static-compile" in a.hf:
@@ -247,6 +247,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-prompt", type=int, default=1024, help="longest prompt, tokens")
     ap.add_argument("--prompts", help="JSONL of prompt_ids (written if missing; default: a temporary file)")
     ap.add_argument("--repeat", type=int, default=3, help="timed calls per row (median)")
+    ap.add_argument("--engines", nargs="+", default=["dynamic", "static"], choices=["dynamic", "static"],
+                    help="our rows (the static engine takes minutes at 256 requests: leave it out there)")
     ap.add_argument("--hf", nargs="*", default=list(HF_RUNS), choices=HF_RUNS, help="HF rows")
     ap.add_argument("--impl", default="transformer_engine", choices=["transformer_engine", "local"])
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])

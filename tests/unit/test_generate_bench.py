@@ -67,3 +67,12 @@ def test_tiny_shape_on_cpu(tmp_path, cpu_megatron):
     assert all(r["bound_ms"] > 0 for r in rows if r["requests"] == 1)
     versions = json.load(open(tmp_path / "r.json"))["versions"]
     assert versions["megatron-core"] == importlib.metadata.version("megatron-core")
+
+
+def test_engines_choose_our_rows(tmp_path, cpu_megatron):
+    """`--engines dynamic` leaves out the static engine's row (minutes at 256 requests on the GPU)."""
+    result = _bench().main(["--shapes", "tiny", "--device", "cpu", "--impl", "local", "--dtype", "fp32",
+                            "--requests", "2", "--new", "3", "--min-prompt", "4", "--max-prompt", "6", "--repeat", "1",
+                            "--engines", "dynamic", "--hf", "--prompts", str(tmp_path / "p.jsonl")])
+    assert [(r["requests"], r["run"]) for r in result["rows"]] == [(2, "ours (dynamic engine)")]
+    assert "skipped" not in result["rows"][0]
