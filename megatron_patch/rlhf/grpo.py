@@ -102,27 +102,27 @@ class GRPO(Algorithm):
 
 
 def parser() -> argparse.ArgumentParser:
-    from megatron_patch.cli import HelpFormatter, positive_float, positive_int
+    from megatron_patch.cli import HelpFormatter
 
     p = argparse.ArgumentParser(prog="python -m megatron_patch.rlhf.grpo", description=__doc__,
                                 formatter_class=HelpFormatter)
     add_group_args(p)
-    p.add_argument("--clip", type=positive_float, default=0.2, help="PPO-style ratio clip")
     p.add_argument("--kl-coef", type=float, default=0.04, help="weight of the KL penalty to the starting model")
-    p.add_argument("--epochs", type=positive_int, default=1, help="policy updates per batch of rollouts")
     return p
 
 
 def add_group_args(p: argparse.ArgumentParser) -> None:
-    """The options of the group-sampling trainers (GRPO, RLOO): the loop's, a rule reward, the steps and the
-    group size."""
-    from megatron_patch.cli import positive_int
+    """The options of the group-sampling trainers (GRPO, RLOO): the loop's, a rule reward, the steps, the group
+    size, the ratio clip and the epochs (each adds its --kl-coef)."""
+    from megatron_patch.cli import positive_float, positive_int
 
     add_loop_args(p, prompts_per_step=8, out_help="write the final policy here as an HF folder",
                   seed_help="sampling seed", clip_grad_help="gradient norm clip")
     p.add_argument("--reward", required=True, help="module:function, called as fn(prompt, completion) -> float")
     p.add_argument("--steps", type=positive_int, default=100, help="optimisation steps")
     p.add_argument("--group-size", type=positive_int, default=8, help="completions per prompt (>= 2)")
+    p.add_argument("--clip", type=positive_float, default=0.2, help="PPO-style ratio clip")
+    p.add_argument("--epochs", type=positive_int, default=1, help="policy updates per batch of rollouts")
 
 
 def main(argv: list[str] | None = None) -> int:

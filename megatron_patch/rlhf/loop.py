@@ -223,8 +223,9 @@ class Algorithm:
         """Samples per prompt in a step."""
         return 1
 
-    def check_inputs(self, policy_cfg: dict, tokenizer, prompt_ids: list[list[int]]) -> None:
-        """Check the algorithm's own models against the policy and prompts, before any weight is read."""
+    def check_inputs(self, policy_cfg: dict) -> None:
+        """Check the algorithm's own models against the policy (`policy_cfg`, `loop.tokenizer`) and the prompts
+        (`loop.check_fits`), before any weight is read."""
 
     def setup(self) -> None:
         """Load the algorithm's own models and optimizers (after the policy and reference)."""
@@ -268,8 +269,8 @@ class OnlineRL:
     def __init__(self, args, algorithm: type[Algorithm]):
         from megatron_patch.cli import is_first_rank
         from megatron_patch.conversion.atomic import check_output
-        from megatron_patch.inference import check_lengths, context_length_of, model_folder, read_prompts
-        from megatron_patch.models import load_hf_config
+        from megatron_patch.inference import context_length_of, model_folder, read_prompts
+        from megatron_patch.models import load_hf_config, vocab_size
         from megatron_patch.names import torch_dtype
         from megatron_patch.rlhf.checkpoint import replaces_saved_run
         from megatron_patch.tokenizer import build_tokenizer
@@ -279,16 +280,12 @@ class OnlineRL:
             raise ValueError("pass --mcore-dir CKPT or --hf-dir DIR (the policy to start from)")
         check_layout(args, name)
         algorithm.check_args(args)
-        sources = [args.hf_dir, args.mcore_dir, *algorithm.sources(args).values()]
+        sources = {"--hf-dir": args.hf_dir, "--mcore-dir": args.mcore_dir, **algorithm.sources(args)}
         outputs = {"--out": args.out, **algorithm.outputs(args)}
-        for out in outputs.values():
+        for flag, out in outputs.items():
             if out:
-                check_output(out, args.overwrite, sources)
-        given = [(flag, out) for flag, out in outputs.items() if out]
-        for i, (flag, out) in enumerate(given):
-            for other, o in given[i + 1:]:
-                if os.path.realpath(out) == os.path.realpath(o):
-                    raise ValueError(f"{flag} and {other} name the same folder")
+                others = {f: o for f, o in outputs.items() if f != flag}
+                check_output(out, args.overwrite, sources, flag=flag, outputs=others)
         self.replace_saved = replaces_saved_run(args, name)
         if not args.out and is_first_rank():
             print("warning: no --out: the trained policy will not be saved", file=sys.stderr)
@@ -298,14 +295,9 @@ class OnlineRL:
         self.tokenizer_dir = args.tokenizer or policy_dir
         self.tokenizer = build_tokenizer(self.tokenizer_dir)
         self.texts, self.prompt_ids = read_prompts(args.prompts, self.tokenizer, args.chat)
-        context = context_length_of(args.mcore_dir, args.hf_dir)
-        if context is not None:
-            try:
-                check_lengths(self.prompt_ids, args.max_new_tokens, context, "--max-new-tokens")
-            except ValueError as e:
-                raise ValueError(f"{e}; shorten the prompt or lower --max-new-tokens") from None
+        self.check_fits(context_length_of(args.mcore_dir, args.hf_dir))
         self.algorithm = algorithm(self)
-        self.algorithm.check_inputs(load_hf_config(policy_dir), self.tokenizer, self.prompt_ids)
+        self.algorithm.check_inputs(load_hf_config(policy_dir))
 
         torch.manual_seed(args.seed)
         self.dtype = torch_dtype(args.dtype)
@@ -313,11 +305,21 @@ class OnlineRL:
                                                                      args.impl, self.dtype)
         self.policy_opt = torch.optim.AdamW(self.policy.parameters(), lr=args.lr, weight_decay=0.0)
         self.device = next(self.policy.parameters()).device
-        from megatron_patch.models import vocab_size
-
         self.vocab = vocab_size(self.cfg)
         self.history: list[dict] = []
         self.algorithm.setup()
+
+    def check_fits(self, context: int | None, model: str = "") -> None:
+        """Every prompt plus --max-new-tokens fits a model's context (None: no limit); `model` names the model
+        when it is not the policy ("of the critic DIR")."""
+        from megatron_patch.inference import check_lengths
+
+        if context is not None:
+            try:
+                check_lengths(self.prompt_ids, self.args.max_new_tokens, context, "--max-new-tokens")
+            except ValueError as e:
+                raise ValueError(f"{e}{' ' + model if model else ''}; shorten the prompt or lower --max-new-tokens") \
+                    from None
 
     def step(self, step: int) -> tuple[dict, object]:
         """One step: (its row, the rollouts it trained on)."""

@@ -71,14 +71,13 @@ class PPO(Algorithm):
     def outputs(args) -> dict:
         return {"--critic-out": args.critic_out}
 
-    def check_inputs(self, policy_cfg: dict, tokenizer, prompt_ids: list[list[int]]) -> None:
+    def check_inputs(self, policy_cfg: dict) -> None:
         """The reward model and critic read the policy's token ids and hold the prompts and completions."""
-        from megatron_patch.inference import check_lengths
         from megatron_patch.models import get_family
         from megatron_patch.models.reward import is_reward_config
         from megatron_patch.rlhf.critic import check_same_vocabulary
 
-        args, contexts = self.loop.args, []
+        args, tokenizer, contexts = self.loop.args, self.loop.tokenizer, []
         if args.reward_model:
             cfg = check_same_vocabulary("--reward-model", args.reward_model, "reward model", policy_cfg, tokenizer)
             if not is_reward_config(cfg):
@@ -90,11 +89,7 @@ class PPO(Algorithm):
             cfg = check_same_vocabulary("--critic", args.critic, "critic", policy_cfg, tokenizer)
             contexts.append(("critic", args.critic, get_family(cfg).max_sequence_length(cfg)))
         for who, path, context in contexts:
-            if context is not None:
-                try:
-                    check_lengths(prompt_ids, args.max_new_tokens, context, "--max-new-tokens")
-                except ValueError as e:
-                    raise ValueError(f"{e} of the {who} {path}; shorten the prompt or lower --max-new-tokens") from None
+            self.loop.check_fits(context, f"of the {who} {path}")
 
     def setup(self) -> None:
         from megatron_patch.inference import load_model

@@ -44,15 +44,13 @@ class RLOO(GRPO):
 
 
 def parser() -> argparse.ArgumentParser:
-    from megatron_patch.cli import HelpFormatter, positive_float, positive_int
+    from megatron_patch.cli import HelpFormatter
 
     p = argparse.ArgumentParser(prog="python -m megatron_patch.rlhf.rloo", description=__doc__,
                                 formatter_class=HelpFormatter)
     add_group_args(p)
-    p.add_argument("--clip", type=positive_float, default=0.2, help="PPO-style ratio clip")
     p.add_argument("--kl-coef", type=float, default=0.05,
                    help="weight of the KL to the starting model in each completion's reward")
-    p.add_argument("--epochs", type=positive_int, default=1, help="policy updates per batch of rollouts")
     return p
 
 

@@ -348,6 +348,11 @@ def test_bad_models_and_prompts_are_refused_before_any_weight_or_rollout(cpu_meg
         (["--reward-model", _config_only(tmp_path / "rm_short", as_reward_config(
             llama_config("gqa", max_position_embeddings=10)))],
          "more than the model's context of 10 tokens (max_position_embeddings) of the reward model {0}"),
+        # the two exports: the converter's output check, with each other's flag (the same folder, or one inside)
+        (["--reward", "tests.e2e.test_ppo:toy_reward", "--out", str(tmp_path / "out"), "--critic-out",
+          str(tmp_path / "out")], "--out {0} is the --critic-out folder {0}, which this run also writes"),
+        (["--reward", "tests.e2e.test_ppo:toy_reward", "--out", str(tmp_path / "out"), "--critic-out",
+          str(tmp_path / "out" / "critic")], "holds the --critic-out folder {0}, which this run also writes"),
     ]:
         argv = ["--hf-dir", policy, "--prompts", str(start / "prompts.jsonl"), "--max-new-tokens", "8", *extra]
         assert main(argv) == 1
