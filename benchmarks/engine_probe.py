@@ -1,8 +1,8 @@
 """Probe megatron-core's dynamic inference engine on one GPU through `megatron_patch.inference.generate`: decode
 speed with CUDA graphs on and off, and (--profile) where a decode step's time goes.
 
-    python benchmarks/engine_probe.py [--shape 1b] [--requests 1 32] [--graphs on off] [--new 64] \\
-        [--profile DIR [--profile-requests 1 32] [--profile-steps 6]]
+    python benchmarks/engine_probe.py [--shape 1b] [--requests 1 32] [--graphs on off] [--sched legacy async] \\
+        [--new 64] [--profile DIR [--profile-requests 1 32] [--profile-steps 6]]
     python benchmarks/engine_probe.py --shape tiny --device cpu --impl local --dtype fp32 --graphs off \\
         --requests 1 2 --new 4 --min-prompt 4 --max-prompt 12 --repeat 1          # the logic, on a CPU
 
@@ -13,14 +13,19 @@ One JSON row per (graphs, requests), printed as soon as measured: `build_s` (the
 graph capture), `seconds` / `tokens_per_s` of a call for --new tokens (median of --repeat), `ms_per_token` =
 (time for --new tokens - time for 1) / (--new - 1): one decode step of all N requests; `bound_ms`: weight bytes
 read per decode step / --bandwidth-tb-s; `tokens_vs_graphs_on|off`: agreement of the greedy tokens with the
-row of the same requests and the other graphs setting. A configuration that fails gives a row with `error` (the
-traceback on stderr) and the next one runs. A new engine is built for every row (`release_engine` between rows).
+row of the same requests and the other graphs setting. --sched: megatron-core's scheduling of engine steps,
+`legacy` (resolve step k, then prepare step k+1) or `async` (0.19 on: prepare and launch step k+1 before resolving
+step k, so the host's bookkeeping overlaps the GPU; `dynamic.ASYNC_SCHEDULING`), one set of rows each, with
+`tokens_vs_legacy`. A configuration that fails gives a row with `error` (the traceback on stderr) and the next
+one runs. A new engine is built for every row (`release_engine` between rows).
 
 --profile DIR: for each of --profile-requests (graphs: the first of --graphs), a torch.profiler Chrome trace of
 --profile-steps engine steps in the middle of decoding (DIR/trace_n{N}_graphs_{on|off}.json.gz), then a summary:
 the top CUDA kernels by total time, kernel time per category and the idle GPU time between kernels (host gaps:
 launch overhead, Python, synchronisation) per step (`benchmarks/trace_summary.py`'s arithmetic), and the top
-host-side ops by self CPU time; written to DIR/summary_n{N}_graphs_{on|off}.{json,txt} and printed.
+host-side ops by self CPU time; then the same call under cProfile: the Python functions that take the host's
+time, as ms per engine step (`host_functions`: own time and cumulative time, the top --top by own time). Each
+--sched gets its profile. Written to DIR/summary_n{N}_graphs_{on|off}_{sched}.{json,txt} and printed.
 """
 
 from __future__ import annotations
@@ -82,20 +87,34 @@ def agreement(out: list[list[int]], other: list[list[int]]) -> dict:
     return {"identical": sum(a == b for a, b in pairs) / len(pairs), "mean_common_prefix": sum(prefix) / len(pairs)}
 
 
-def measure(a, model, prompts, graphs: bool, timer: Timer, bound_ms: float, seen: dict) -> dict:
-    """One row; `seen` keeps each request count's tokens, compared with the other graphs setting's."""
+def set_sched(sched: str) -> None:
+    """megatron-core's step scheduling for the engines built from now on (--sched)."""
+    from megatron_patch.inference import dynamic
+
+    if sched == "async" and not dynamic.async_scheduling_available():
+        raise ValueError("--sched async: this megatron-core has no asynchronous scheduling (0.19 on)")
+    dynamic.ASYNC_SCHEDULING = sched == "async"
+
+
+def measure(a, model, prompts, graphs: bool, timer: Timer, bound_ms: float, seen: dict, sched: str = "legacy") -> dict:
+    """One row; `seen` keeps each (requests, graphs, sched)'s tokens, compared with the other graphs setting's
+    and with legacy scheduling's."""
     from megatron_patch.inference.dynamic import release_engine
 
-    row = {"shape": a.shape, "requests": len(prompts), "cuda_graphs": graphs, "new": a.new}
+    row = {"shape": a.shape, "requests": len(prompts), "cuda_graphs": graphs, "sched": sched, "new": a.new}
     try:
+        set_sched(sched)
         timer.sync()
         t = time.perf_counter()
         out = call(model, prompts, a.new, graphs)  # builds the engine (and captures its graphs)
         timer.sync()
         row["build_s"] = round(time.perf_counter() - t, 2)
-        if (len(prompts), not graphs) in seen:
-            row["tokens_vs_graphs_" + ("off" if graphs else "on")] = agreement(out, seen[len(prompts), not graphs])
-        seen[len(prompts), graphs] = out
+        n = len(prompts)
+        if (n, not graphs, sched) in seen:
+            row["tokens_vs_graphs_" + ("off" if graphs else "on")] = agreement(out, seen[n, not graphs, sched])
+        if sched != "legacy" and (n, graphs, "legacy") in seen:
+            row["tokens_vs_legacy"] = agreement(out, seen[n, graphs, "legacy"])
+        seen[n, graphs, sched] = out
         seconds, peak = timer(lambda: call(model, prompts, a.new, graphs))
         one, _ = timer(lambda: call(model, prompts, 1, graphs))  # the same engine (its plan covers this one)
         row.update(seconds=round(seconds, 4), tokens_per_s=round(len(prompts) * a.new / seconds, 1),
@@ -122,14 +141,41 @@ def kernel_table(kernels: list[dict], top: int) -> list[dict]:
 PROFILE_WAIT = 4  # engine steps before the profiler's warm-up: past the prefill step(s)
 
 
-def profile(a, model, prompts, graphs: bool) -> dict:
+def host_functions(a, model, prompts, graphs: bool, engine) -> tuple[int, list[dict]]:
+    """A --new token call under cProfile: (engine steps, the top --top functions by own time as ms per step,
+    with their cumulative ms per step and calls per step)."""
+    import cProfile
+    import pstats
+
+    steps = [0]
+    step = engine.step_modern
+
+    def counted(*args, **kwargs):
+        steps[0] += 1
+        return step(*args, **kwargs)
+
+    engine.step_modern = counted
+    prof = cProfile.Profile()
+    try:
+        prof.runcall(call, model, prompts, a.new, graphs)
+    finally:
+        del engine.step_modern
+    n = max(steps[0], 1)
+    stats = pstats.Stats(prof).stats  # {(file, line, function): (primitive calls, calls, own s, cumulative s, _)}
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:a.top]
+    return steps[0], [{"function": f"{os.path.basename(k[0])}:{k[1]}:{k[2]}", "own_ms": round(v[2] / n * 1e3, 4),
+                       "cum_ms": round(v[3] / n * 1e3, 4), "calls": round(v[1] / n, 2)} for k, v in rows]
+
+
+def profile(a, model, prompts, graphs: bool, sched: str = "legacy") -> dict:
     """A trace of --profile-steps engine steps in the middle of a --new token call (the engine already built by
-    a first call), and its summary."""
+    a first call), its summary, and the host's Python functions over a whole call (cProfile)."""
     from torch.profiler import ProfilerActivity, schedule
 
     from megatron_patch.inference import dynamic
 
-    name = f"n{len(prompts)}_graphs_{'on' if graphs else 'off'}"
+    set_sched(sched)
+    name = f"n{len(prompts)}_graphs_{'on' if graphs else 'off'}_{sched}"
     call(model, prompts, a.new, graphs)
     engine = dynamic._Engines.engine
     path = os.path.join(a.profile, f"trace_{name}.json")
@@ -149,6 +195,7 @@ def profile(a, model, prompts, graphs: bool) -> dict:
             call(model, prompts, a.new, graphs)
         finally:
             del engine.step_modern
+    engine_steps, functions = host_functions(a, model, prompts, graphs, engine)
     dynamic.release_engine()
     kernels = [k for k in _events(path) if k.get("dur", 0) > 0]
     with open(path) as f:
@@ -164,6 +211,7 @@ def profile(a, model, prompts, graphs: bool) -> dict:
                        gpu_idle_ms_per_step=round(s["idle_ms"] / a.profile_steps, 3), idle_share=s["idle_share"],
                        kernels_per_step=round(len(kernels) / a.profile_steps, 1), categories=s["categories"],
                        top_kernels=kernel_table(kernels, a.top))
+    summary.update(engine_steps_per_call=engine_steps, host_functions=functions)
     host = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=a.top, max_name_column_width=70)
     with open(os.path.join(a.profile, f"summary_{name}.json"), "w") as f:
         json.dump(summary, f, indent=1)
@@ -179,6 +227,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--shape", default="1b", choices=sorted(SHAPES), help="model widths (generate_bench.SHAPES)")
     ap.add_argument("--requests", type=int, nargs="+", default=[1, 32], help="requests in flight, one row each")
     ap.add_argument("--graphs", nargs="+", default=["on", "off"], choices=["on", "off"], help="CUDA graphs")
+    ap.add_argument("--sched", nargs="+", default=["legacy"], choices=["legacy", "async"],
+                    help="megatron-core's step scheduling (async: 0.19 on)")
     ap.add_argument("--new", type=int, default=64, help="new tokens per request")
     ap.add_argument("--min-prompt", type=int, default=128, help="shortest prompt, tokens")
     ap.add_argument("--max-prompt", type=int, default=1024, help="longest prompt, tokens")
@@ -214,18 +264,22 @@ def main(argv: list[str] | None = None) -> list[dict]:
     model = build(a, max(len(p) for p in prompts) + a.new)
     bound_ms = decode_bytes(model) / (a.bandwidth_tb_s * 1e12) * 1e3
     timer, rows, seen = Timer(a.device, a.repeat), [], {}
-    for graphs in ([] if a.skip_rows else a.graphs):
-        for n in a.requests:
-            rows.append(measure(a, model, prompts[:n], graphs == "on", timer, bound_ms, seen))
-            print(json.dumps(rows[-1]), flush=True)
+    for sched in a.sched:
+        for graphs in ([] if a.skip_rows else a.graphs):
+            for n in a.requests:
+                rows.append(measure(a, model, prompts[:n], graphs == "on", timer, bound_ms, seen, sched))
+                print(json.dumps(rows[-1]), flush=True)
     if a.profile:
         os.makedirs(a.profile, exist_ok=True)
-        for n in a.profile_requests:
-            try:
-                rows.append(profile(a, model, prompts[:n], a.graphs[0] == "on"))
-            except Exception as e:
-                traceback.print_exc()
-                print(json.dumps({"profile": n, "error": f"{type(e).__name__}: {str(e)[:300]}"}), flush=True)
+        for sched in a.sched:
+            for n in a.profile_requests:
+                try:
+                    rows.append(profile(a, model, prompts[:n], a.graphs[0] == "on", sched))
+                except Exception as e:
+                    traceback.print_exc()
+                    print(json.dumps({"profile": n, "sched": sched, "error": f"{type(e).__name__}: {str(e)[:300]}"}),
+                          flush=True)
+    set_sched("legacy")
     return rows
 
 

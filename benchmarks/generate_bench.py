@@ -16,8 +16,9 @@ a row with N requests takes the file's first N. Greedy, no early stop: every req
 
 Rows for N requests: ours, all N queued in one `generate` call with N in flight (`--cuda-graph-impl`:
 graphs on or off); `hf`: HF `generate` on the N prompts as one left-padded batch (sdpa, dynamic cache);
-`hf-static-compile`: the same with `cache_implementation="static"` and the forward compiled
-(`torch.compile(mode="reduce-overhead")`), skipped with the reason when it fails. tokens/s = N x --new /
+`hf-static-compile`: the same with `cache_implementation="static"`, for which HF `generate` compiles the
+decode steps itself (`torch.compile(mode="reduce-overhead")`; the row's `compiled` says whether it did), skipped
+with the reason when it fails. tokens/s = N x --new /
 wall time of the call (prefill included), median of --repeat after one warm-up call of the same shape.
 At N = 1 each side is also timed for a single new token, and ms per decoded token = (time for --new tokens -
 time for 1) / (--new - 1), next to the memory-bandwidth bound: the bytes a decode step must read (every
@@ -184,21 +185,30 @@ def run_shape(a, shape: str, prompts: list[list[int]], timer: Timer) -> list[dic
         for name, fn in runs:
             row = {"shape": shape, "requests": n, "run": name}
             try:
-                if name.startswith("HF static"):
-                    hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
                 seconds, peak = timer(fn)
                 one = timer(lambda fn=fn: fn(1))[0] if n == 1 else None
                 row.update(timing_fields(n, a.new, seconds, one, bound_ms),
                            peak_gib=None if peak is None else round(peak, 2))
+                if name.startswith("HF static"):
+                    row["compiled"] = hf_compiled(hf)
             except Exception as e:  # a row that cannot run says why, the others go on
                 row["skipped"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-            finally:
-                hf.__dict__.pop("forward", None)  # back to the class's forward
             rows.append(row)
             print(json.dumps(row), flush=True)
         release_engine()
     add_vs_hf(rows)
     return rows
+
+
+def hf_compiled(hf) -> bool:
+    """Whether HF `generate` ran its decode steps compiled: with a static cache on a GPU it compiles the forward
+    itself (`get_compiled_call`, `torch.compile(mode="reduce-overhead")`: its supported path; compiling
+    `hf.forward` by hand as well compiled the prefill too and failed with "accessing tensor output of CUDAGraphs
+    that has been overwritten", 2026-12-02). False where dynamo is off (TORCHDYNAMO_DISABLE=1): the row then
+    measures the static cache alone."""
+    import torch._dynamo.config
+
+    return hasattr(hf, "_compiled_call") and not torch._dynamo.config.disable
 
 
 def timing_fields(requests: int, new: int, seconds: float, one_token_seconds: float | None,

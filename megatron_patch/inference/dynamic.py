@@ -27,6 +27,20 @@ DEFAULT_MAX_REQUESTS = {"cuda": 256, "cpu": 8}
 # Not the memory free right now: that differs between the ranks of a TP / EP group, and ranks whose
 # caches differ in size schedule differently and then wait for each other forever.
 KV_SHARE_OF_FREE_MEMORY = 0.5
+# megatron-core's asynchronous scheduling (`InferenceConfig.async_sched_mode="async"`, 0.19 on): the engine
+# prepares and launches step k+1 before it resolves step k's requests, so the host's bookkeeping overlaps the
+# GPU's forward pass. The same tokens (tested); a request that stops (end token, stop string) costs one forward
+# pass that is thrown away. Off until measured on the GPU (issue 27: `benchmarks/engine_probe.py --sched`).
+ASYNC_SCHEDULING = False
+
+
+def async_scheduling_available() -> bool:
+    """This megatron-core has asynchronous scheduling (`InferenceConfig.async_sched_mode`, 0.19 on)."""
+    import dataclasses
+
+    from megatron.core.inference.config import InferenceConfig
+
+    return any(f.name == "async_sched_mode" for f in dataclasses.fields(InferenceConfig))
 
 
 def default_max_requests() -> int:
@@ -47,13 +61,15 @@ class EnginePlan:
     kv_cache_gb: float  # KV cache budget of this rank, GiB (megatron's `buffer_size_gb`)
     cuda_graphs: bool  # capture CUDA graphs (`cuda_graph_impl="local"`, block scope)
     non_decode_graphs: bool  # also for prefill / mixed steps (not with the torch paged attention)
+    async_scheduling: bool = False  # megatron-core's async_sched_mode="async" (ASYNC_SCHEDULING)
 
     def covers(self, other: EnginePlan) -> bool:
         """An engine built for this plan serves `other` as well: the same graphs, at least as much room, and
         the same in-flight maximum where it binds (more slots than a call has requests change nothing)."""
         slots = (self.max_requests == other.max_requests
                  or (not other.bounded and self.max_requests >= other.max_requests))
-        return (slots and (self.cuda_graphs, self.non_decode_graphs) == (other.cuda_graphs, other.non_decode_graphs)
+        return (slots and (self.cuda_graphs, self.non_decode_graphs, self.async_scheduling)
+                == (other.cuda_graphs, other.non_decode_graphs, other.async_scheduling)
                 and self.max_sequence_length >= other.max_sequence_length and self.max_tokens >= other.max_tokens
                 and self.kv_cache_gb >= other.kv_cache_gb)
 
@@ -118,7 +134,8 @@ def plan_engine(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, ma
     return EnginePlan(max_requests=n, bounded=n < len(prompts), max_sequence_length=longest + max_new_tokens,
                       max_tokens=max(DynamicInferenceContext.DEFAULT_MAX_TOKENS, longest, n),
                       kv_cache_gb=budget / 1024 ** 3, cuda_graphs=cuda_graphs,
-                      non_decode_graphs=not patches.attends_in_torch(model.config.params_dtype))
+                      non_decode_graphs=not patches.attends_in_torch(model.config.params_dtype),
+                      async_scheduling=ASYNC_SCHEDULING and async_scheduling_available())
 
 
 def unsupported_attention(model) -> str | None:
@@ -304,7 +321,8 @@ def _build_engine(model, tokenizer, plan: EnginePlan):
                              max_requests=plan.max_requests, max_tokens=plan.max_tokens,
                              max_sequence_length=plan.max_sequence_length,
                              num_cuda_graphs=NUM_CUDA_GRAPHS if plan.cuda_graphs else None,
-                             use_cuda_graphs_for_non_decode_steps=plan.non_decode_graphs)
+                             use_cuda_graphs_for_non_decode_steps=plan.non_decode_graphs,
+                             **({"async_sched_mode": _async_mode()} if plan.async_scheduling else {}))
     context = DynamicInferenceContext(model.config, config)
     # The KV cache is `torch.empty`: FA4's paged kernel loads whole pages and multiplies the unwritten rows of a
     # request's last page by 0, which is NaN if they hold NaN or Inf bits (its `flash_attn_varlen_func`
@@ -314,6 +332,12 @@ def _build_engine(model, tokenizer, plan: EnginePlan):
         buffer.zero_()
     controller = TextGenerationController(GPTInferenceWrapper(model, context), tokenizer)
     return _dynamic_engine_class()(controller, context)
+
+
+def _async_mode():
+    from megatron.core.inference.config import AsyncScheduleMode
+
+    return AsyncScheduleMode.ASYNC
 
 
 def _dynamic_engine_class() -> type:

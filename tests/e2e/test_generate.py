@@ -14,6 +14,7 @@ import os
 import pytest
 import torch
 
+from megatron_patch.inference.dynamic import async_scheduling_available
 from megatron_patch.tokenizer import TINY_TOKENIZER
 from tests.models import hf_model, llama_config, save_hf
 from toolkits.checkpoint_converter.__main__ import main as convert
@@ -238,6 +239,35 @@ def test_stop_string_ends_generation_at_the_completing_token(setup, tmp_path, en
         assert row["generated_text"] == tok.detokenize(row["generated_tokens"])
     assert rows[0]["generated_tokens"] == full[0][:k + 1] and rows[0]["generated_text"].endswith(text[len(before):])
     assert any(r["finish_reason"] == "length" for r in rows)  # the batch went on for the others
+
+
+@pytest.mark.skipif(not async_scheduling_available(), reason="megatron-core < 0.19 has no asynchronous scheduling")
+def test_async_scheduling_generates_the_same_tokens(setup, monkeypatch):
+    """megatron-core's asynchronous scheduling (`dynamic.ASYNC_SCHEDULING`) against the default: the same
+    greedy tokens for prompts of different lengths with more prompts than slots (continuous batching), an
+    end token and a stop string; the engine is rebuilt when the setting changes (not reused across it)."""
+    from megatron_patch.inference import dynamic, generate, load_model
+    from megatron_patch.tokenizer import build_tokenizer
+
+    _, _, mc = setup
+    tok = build_tokenizer(TINY_TOKENIZER)
+    model, _ = load_model(mc, None)
+    ids = [tok.tokenize(p) for p in PROMPTS * 2]
+    runs = {}
+    for on in (False, True):
+        monkeypatch.setattr(dynamic, "ASYNC_SCHEDULING", on)
+        full = generate(model, tok, ids, 12, top_k=1, max_batch_size=2, stop_id=tok.eod, engine="dynamic")
+        assert dynamic._Engines.plan.async_scheduling is on
+        end = full[1][4]  # a token the greedy run samples: an end token that cuts requests short
+        cut = generate(model, tok, ids, 12, top_k=1, max_batch_size=2, stop_id=end, engine="dynamic")
+        stop = tok.detokenize(full[0][:3])[-2:]
+        stopped = generate(model, tok, ids, 12, top_k=1, max_batch_size=2, stop_id=tok.eod, stop=[stop],
+                           engine="dynamic")
+        runs[on] = full, cut, stopped
+    dynamic.release_engine()
+    assert runs[True] == runs[False]
+    full, cut, stopped = runs[False]
+    assert all(len(t) == 12 for t in full) and any(len(t) < 12 for t in cut) and any(len(t) < 12 for t in stopped)
 
 
 def test_empty_prompt_is_refused_with_its_line(setup, tmp_path, capsys, monkeypatch):

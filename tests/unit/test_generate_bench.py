@@ -76,3 +76,58 @@ def test_engines_choose_our_rows(tmp_path, cpu_megatron):
                             "--engines", "dynamic", "--hf", "--prompts", str(tmp_path / "p.jsonl")])
     assert [(r["requests"], r["run"]) for r in result["rows"]] == [(2, "ours (dynamic engine)")]
     assert "skipped" not in result["rows"][0]
+
+
+def test_hf_static_compile_row_says_whether_it_compiled(tmp_path, cpu_megatron, monkeypatch):
+    """The HF static-cache row runs HF's own compile path (no hand-compiled forward, which failed on the GPU) and
+    says whether the decode steps ran compiled: on a CPU (and with dynamo off, as here) HF does not compile."""
+    bench = _bench()
+    result = bench.main(["--shapes", "tiny", "--device", "cpu", "--impl", "local", "--dtype", "fp32",
+                         "--requests", "2", "--new", "3", "--min-prompt", "4", "--max-prompt", "6", "--repeat", "1",
+                         "--engines", "dynamic", "--hf", "hf-static-compile", "--prompts", str(tmp_path / "p.jsonl")])
+    row = result["rows"][1]
+    assert row["run"] == "HF static cache + torch.compile" and "skipped" not in row and row["compiled"] is False
+
+    import torch._dynamo.config
+
+    class Compiled:  # what HF's get_compiled_call leaves on the model
+        _compiled_call = None
+
+    monkeypatch.setattr(torch._dynamo.config, "disable", False)
+    assert bench.hf_compiled(Compiled()) is True and bench.hf_compiled(object()) is False
+    monkeypatch.setattr(torch._dynamo.config, "disable", True)
+    assert bench.hf_compiled(Compiled()) is False
+
+
+def test_engine_probe_at_the_tiny_shape_on_cpu(tmp_path, cpu_megatron, capsys):
+    """benchmarks/engine_probe.py's whole logic on a CPU: one row per (scheduling, requests) with every token
+    produced (the script asserts it), async scheduling's greedy tokens equal legacy's, and a profile per
+    scheduling whose host-function table counts the engine's steps (a prefill step and a decode step per later
+    token; async scheduling may launch one more) and names megatron-core's inference code."""
+    import pytest
+
+    from megatron_patch.inference import dynamic
+
+    if not dynamic.async_scheduling_available():
+        pytest.skip("megatron-core < 0.19 has no asynchronous scheduling")
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import engine_probe
+    finally:
+        sys.path.pop(0)
+    new = 12
+    rows = engine_probe.main(["--shape", "tiny", "--device", "cpu", "--impl", "local", "--dtype", "fp32",
+                              "--graphs", "off", "--sched", "legacy", "async", "--requests", "2", "--new",
+                              str(new), "--min-prompt", "4", "--max-prompt", "12", "--repeat", "1",
+                              "--profile", str(tmp_path), "--profile-steps", "2", "--top", "40"])
+    timed = [r for r in rows if "requests" in r]
+    assert [(r["sched"], r["requests"]) for r in timed] == [("legacy", 2), ("async", 2)]
+    assert all("error" not in r for r in rows), rows
+    assert timed[1]["tokens_vs_legacy"] == {"identical": 1.0, "mean_common_prefix": new}
+    profiles = [r for r in rows if "config" in r]
+    assert [p["config"] for p in profiles] == ["n1_graphs_off_legacy", "n1_graphs_off_async"]
+    for p in profiles:
+        assert new <= p["engine_steps_per_call"] <= new + 2
+        assert any(f["function"].startswith("dynamic_context.py:") for f in p["host_functions"])
+        assert (tmp_path / f"summary_{p['config']}.json").exists()
+    assert dynamic.ASYNC_SCHEDULING is False  # the probe leaves the default behind
