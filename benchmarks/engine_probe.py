@@ -72,9 +72,9 @@ TOKENIZER = _Ids()
 
 
 def call(model, prompts, new: int, graphs: bool):
-    from megatron_patch.inference import generate
+    from megatron_patch.inference import Sampling, generate
 
-    out = generate(model, TOKENIZER, prompts, new, top_k=1, max_batch_size=len(prompts), stop_id=None,
+    out = generate(model, TOKENIZER, prompts, Sampling(new, top_k=1, stop_id=None), max_batch_size=len(prompts),
                    cuda_graphs=graphs, engine="dynamic")
     assert all(len(t) == new for t in out), [len(t) for t in out]
     return out

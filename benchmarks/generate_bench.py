@@ -138,7 +138,7 @@ def run_shape(a, shape: str, prompts: list[list[int]], timer: Timer) -> list[dic
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from megatron_patch.conversion.engine import hf_to_megatron, load_rank_state_dict, make_plan
-    from megatron_patch.inference import generate
+    from megatron_patch.inference import Sampling, generate
     from megatron_patch.inference.dynamic import release_engine
     from megatron_patch.models import Layout, build_model
     from megatron_patch.names import torch_dtype
@@ -165,7 +165,7 @@ def run_shape(a, shape: str, prompts: list[list[int]], timer: Timer) -> list[dic
         mask = torch.tensor([[0] * (padded - len(p)) + [1] * len(p) for p in batch], device=a.device)
 
         def ours(new: int = a.new, engine: str = "dynamic", batch=batch, n=n) -> None:
-            out = generate(model, tokenizer, batch, new, top_k=1, max_batch_size=n, stop_id=None,
+            out = generate(model, tokenizer, batch, Sampling(new, top_k=1, stop_id=None), max_batch_size=n,
                            cuda_graphs=graphs if engine == "dynamic" else None, engine=engine)
             assert all(len(t) == new for t in out)
 

@@ -149,8 +149,8 @@ class Bridge:
         """The model's full-vocabulary logits for `tokens` [batch, seq] (the same on every rank), float32, on
         the tokens' device, without gradient: gathered over TP, from the last pipeline stage, the vocabulary
         padding cut off. A collective: every rank calls it with the same tokens."""
-        from megatron_patch.conversion.verify import megatron_logits
         from megatron_patch.models.registry import vocab_size
+        from megatron_patch.runtime.logits import megatron_logits
 
         return megatron_logits(model, tokens, vocab_size(self.hf_config))
 

@@ -87,7 +87,7 @@ class Scorer:
 
     def token_logprobs(self, ids: list[int]) -> torch.Tensor:
         """log p(ids[i] | ids[:i]) for i = 1..len-1 (float32, on the CPU; computed on the model's device)."""
-        from megatron_patch.conversion.verify import megatron_logits
+        from megatron_patch.runtime.logits import megatron_logits
 
         x = torch.tensor([ids], device=next(self.model.parameters()).device)  # the full-vocab logits stay there
         logits = megatron_logits(self.model, x, self.vocab_size)[0]
@@ -130,9 +130,9 @@ def evaluate(args: argparse.Namespace) -> dict:
     import os
 
     from megatron_patch.cli import finite_json, is_first_rank
-    from megatron_patch.conversion.atomic import atomic_output_file, check_output_file
     from megatron_patch.inference import model_and_tokenizer
     from megatron_patch.jsonl import read_jsonl_numbered
+    from megatron_patch.outputs import atomic_output_file, check_output_file
 
     if not (args.text or args.data_prefix or args.choices):
         raise ValueError("nothing to evaluate: pass --text, --data-prefix and/or --choices")

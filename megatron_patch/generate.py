@@ -76,20 +76,24 @@ def _cuda_available() -> bool:
 
 
 def run(args) -> dict:
+    from dataclasses import replace
+
     from megatron_patch.cli import is_first_rank
-    from megatron_patch.conversion.atomic import atomic_output_file, check_output_file
     from megatron_patch.inference import (
         check_lengths,
-        check_stop,
         context_length,
         context_length_of,
         generate,
         model_and_tokenizer,
         read_prompts,
     )
+    from megatron_patch.inference.sampling import Sampling, check_stop
+    from megatron_patch.outputs import atomic_output_file, check_output_file
 
     stop = [unescape(s) for s in args.stop or []]
     check_stop(stop, "--stop")
+    # checked before the model loads (--max-new-tokens is settled once the prompts are read)
+    sampling = Sampling(1, args.temperature, 1 if args.greedy else args.top_k, args.top_p, args.seed, stop=stop)
     if args.cuda_graph_impl == "local" and not _cuda_available():
         raise ValueError("--cuda-graph-impl local needs a GPU")
     if args.out:
@@ -114,13 +118,13 @@ def run(args) -> dict:
         fit(context_length(model))
     texts, prompt_ids = prompts
     start = time.time()
-    top_k = 1 if args.greedy else args.top_k
     stream = args.stream if args.stream is not None else len(prompt_ids) == 1 and sys.stderr.isatty()
     printer = _Printer(tokenizer) if stream and is_first_rank() else None
     graphs = None if args.cuda_graph_impl is None else args.cuda_graph_impl == "local"
-    outs = generate(model, tokenizer, prompt_ids, args.max_new_tokens, args.temperature, top_k, args.top_p,
-                    args.seed, args.max_requests, stop_id=tokenizer.eod, on_tokens=printer, stop=stop,
-                    kv_cache_gb=args.kv_cache_gb, cuda_graphs=graphs, engine=args.engine)
+    outs = generate(model, tokenizer, prompt_ids, replace(sampling, max_new_tokens=args.max_new_tokens,
+                                                          stop_id=tokenizer.eod),
+                    max_batch_size=args.max_requests, on_tokens=printer, kv_cache_gb=args.kv_cache_gb,
+                    cuda_graphs=graphs, engine=args.engine)
     if printer is not None:
         sys.stderr.write("\n")
     seconds = time.time() - start

@@ -14,7 +14,7 @@ lm-eval's CLI with the same arguments.
 
 The model is this package's inference path: a Megatron checkpoint as stored (`mcore_dir=`, any stored
 layout, loaded at `tp`/`pp`/`ep`) or an HF folder converted in memory (`hf_dir=`); `loglikelihood` and
-`loglikelihood_rolling` score with `megatron_patch.conversion.verify.megatron_logits` (full-vocab logits at
+`loglikelihood_rolling` score with `megatron_patch.runtime.logits.megatron_logits` (full-vocab logits at
 any TP x PP), `generate_until` runs `megatron_patch.inference.generate` (megatron-core's dynamic inference
 engine, any TP x PP).
 Text is encoded exactly as lm-eval's `hf` model encodes it (the checkpoint's HF tokenizer, the same
@@ -233,7 +233,7 @@ class MegatronLM(TemplateLM):
     def _last_logprobs(self, inputs: list[list[int]], counts: list[int]) -> list[torch.Tensor]:
         """Per input, the log-softmax over the vocab at its last `count` positions [count, vocab] (fp32). The
         batch is right-padded: a causal model's scores at a position never see the tokens after it."""
-        from megatron_patch.conversion.verify import megatron_logits
+        from megatron_patch.runtime.logits import megatron_logits
 
         longest = max(len(x) for x in inputs)
         ids = torch.tensor([x + [self.eot_token_id] * (longest - len(x)) for x in inputs], device=self.device)
@@ -329,7 +329,7 @@ class MegatronLM(TemplateLM):
         from tqdm import tqdm
 
         from megatron_patch.cli import is_first_rank
-        from megatron_patch.inference import generate
+        from megatron_patch.inference import Sampling, generate
 
         res: list[str] = []
         order = Collator([req.args for req in requests], sort_fn=lambda r: (-len(self.tok_encode(r[0])), r[0]),
@@ -358,8 +358,9 @@ class MegatronLM(TemplateLM):
             else:
                 temperature, top_k, top_p = 1.0, 1, 0.0  # greedy: megatron's top_k=1
             # `until` ends each generation early (megatron stops on it); lm-eval's cut then trims the text
-            outs = generate(self.model, self.mtokenizer, prompts, max_new, temperature, top_k, top_p, self.seed,
-                            max_batch_size=len(prompts), stop_id=self.eot_token_id, stop=[s for s in until if s])
+            sampling = Sampling(max_new, temperature, top_k, top_p, self.seed, stop_id=self.eot_token_id,
+                                stop=[s for s in until if s])
+            outs = generate(self.model, self.mtokenizer, prompts, sampling, max_batch_size=len(prompts))
             for context, tokens in zip(contexts, outs):
                 text = postprocess_generated_text(self.tok_decode(tokens), stop=until, think_end_token=None)
                 res.append(text)

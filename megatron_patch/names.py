@@ -1,9 +1,26 @@
 """The names the tools accept on their command lines (checkpoint formats, model implementations, numeric
-formats), in one place and free of heavy imports: a tool's `--help` must not wait for torch."""
+formats) and the names inside a Megatron checkpoint folder, in one place and free of heavy imports: a tool's
+`--help` must not wait for torch."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
+
+# A Megatron checkpoint folder (what megatron.training --save writes; the converter adds HF_SUBDIR and MANIFEST):
+TRACKER = "latest_checkpointed_iteration.txt"  # "release", or the iteration of a training checkpoint
+RELEASE = "release"  # the step folder of a converted checkpoint; training writes iter_XXXXXXX (step_folder)
+TORCH_DIST_METADATA = "metadata.json"  # in a torch_dist step folder
+LEGACY_FILE = "model_optim_rng.pt"  # in each legacy rank folder
+RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")  # legacy rank folders: mp_rank_TT[_PPP][_EEE]
+HF_SUBDIR = "hf"  # the HF config, tokenizer and generation files kept beside a checkpoint
+MANIFEST = "megatron_patch.json"  # family, impl, layout, format, dtype and vocab padding of a converted checkpoint
+
+
+def step_folder(step: str | int) -> str:
+    """The folder of one checkpoint inside a Megatron checkpoint folder: `release`, or `iter_XXXXXXX`."""
+    return RELEASE if step == RELEASE else f"iter_{int(step):07d}"
+
 
 FORMATS: tuple[str, ...] = ("torch_dist", "legacy")
 IMPLS: tuple[str, ...] = ("local", "transformer_engine")

@@ -367,76 +367,6 @@ def _cpu_training() -> Callable[[], None] | None:
     return undo
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, kv_len: torch.Tensor,
-            scale: float, window: tuple[int, int] | None, sink: torch.Tensor | None) -> torch.Tensor:
-    """Causal attention of queries [n, s, h, d] at positions `q_pos` [n, s] over keys / values
-    [n, L, hk, d] of which the first `kv_len` [n] are real: key j is seen by a query at position i when
-    j <= i, j < kv_len and, with a sliding `window` (left, right), j >= i - left. Grouped queries: head
-    g * (h / hk) + r reads KV head g (megatron-core's layout), without copying K and V per head.
-    softmax(q k^T * scale) v with the softmax in fp32 (products in the inputs' dtype, as flash-attn);
-    a per-head `sink` logit [h] joins each softmax's denominator (megatron-core's off-by-one / learnable
-    softmax). Keys past `kv_len` may be any bits (unwritten cache): they are masked and their values
-    zeroed. A query that sees nothing gets 0."""
-    n, s, h, d = q.shape
-    hk = k.shape[2]
-    k_pos = torch.arange(k.shape[1], device=q.device)
-    real = k_pos[None, :] < kv_len[:, None]  # [n, L]
-    seen = (k_pos[None, None, :] <= q_pos[:, :, None]) & real[:, None, :]  # [n, s, L]
-    if window is not None and window[0] >= 0:
-        seen &= k_pos[None, None, :] >= q_pos[:, :, None] - window[0]
-    groups = q.reshape(n, s, hk, h // hk, d)
-    scores = torch.einsum("nskgd,nlkd->nkgsl", groups, k).float() * scale
-    scores = scores.masked_fill(~seen[:, None, None], float("-inf"))
-    if sink is not None:
-        logits = sink.float().view(hk, h // hk)[None, :, :, None, None].expand(n, hk, h // hk, s, 1)
-        scores = torch.cat([scores, logits], dim=-1)
-    probs = torch.softmax(scores, dim=-1)
-    if sink is not None:
-        probs = probs[..., :-1]
-    probs = torch.nan_to_num(probs, nan=0.0).to(v.dtype)  # (rows that see no key: padding)
-    values = v.masked_fill(~real[:, :, None, None], 0.0)
-    return torch.einsum("nkgsl,nlkd->nskgd", probs, values).reshape(n, s, h, d)
-
-
-def _paged_attention_in_torch(self, q, k, v, max_seqlen_q, max_seqlen_k, cu_seqlens_q, cu_seqlens_k, seqlens_k,
-                              block_table, is_decode_only, softmax_offset=None):
-    """`Attention.flash_decode_and_prefill` of megatron-core 0.18.2 / 0.19 (same arguments and result; 0.18.2
-    passes no `softmax_offset`) in torch:
-    queries q [tokens, 1, heads, dim] of the active requests, laid out request after request
-    (`cu_seqlens_q`), over the paged KV cache k / v [blocks, block_size, kv heads, dim] through
-    `block_table` [requests, blocks per request]; `seqlens_k` [requests]: each request's cached length,
-    its new tokens included (they are its last `query length` positions). Decode-only steps (one query
-    per request, or several with speculative tokens) run as one batched gather with fixed shapes (no
-    host synchronisation: CUDA-graph capturable); other steps attend request by request."""
-    from megatron.core.transformer.utils import is_layer_window_attention
-
-    window = (self.config.window_size if is_layer_window_attention(
-        self.config.window_size, self.config.window_attn_skip_freq, self.layer_number) else None)
-    scale = getattr(self, "softmax_scale", None) or q.shape[-1] ** -0.5
-    if is_decode_only:
-        n = seqlens_k.shape[0]
-        s = q.shape[0] // n
-        keys, values = k[block_table].flatten(1, 2), v[block_table].flatten(1, 2)  # [n, blocks * size, hk, d]
-        q_pos = seqlens_k[:, None] - s + torch.arange(s, device=q.device)[None, :]
-        out = _attend(q.reshape(n, s, *q.shape[2:]), keys, values, q_pos, seqlens_k, scale, window, softmax_offset)
-        return out.reshape(n * s, 1, *out.shape[2:])
-    q = q.squeeze(1)
-    out = torch.zeros_like(q)  # padding tokens past the last request stay 0
-    starts, lengths = cu_seqlens_q.tolist(), seqlens_k.tolist()
-    block_size = k.shape[1]
-    for r, kv_len in enumerate(lengths):
-        first, last = starts[r], starts[r + 1]
-        if last == first:
-            continue
-        blocks = block_table[r, : -(-kv_len // block_size)]
-        keys = k[blocks].flatten(0, 1)[None, :kv_len]
-        values = v[blocks].flatten(0, 1)[None, :kv_len]
-        q_pos = (kv_len - (last - first) + torch.arange(last - first, device=q.device))[None]
-        out[first:last] = _attend(q[None, first:last], keys, values, q_pos, seqlens_k[r: r + 1], scale, window,
-                                  softmax_offset)[0]
-    return out.unsqueeze(1)
-
-
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)  # what every flash-attn generation's paged kernels take
 
 
@@ -462,7 +392,7 @@ def _paged_attention_in_torch_patch() -> Callable[[], None] | None:
     flash-attn >= 2.7.3 (or FlashAttention 3 / 4) is installed and attends through its paged-KV kernels
     in `Attention.flash_decode_and_prefill` (`flash_attn_varlen_func` for prefill,
     `flash_attn_with_kvcache` for decode, both GPU-only). Here `flash_decode_and_prefill` is a torch
-    implementation of the same function (`_paged_attention_in_torch`: same arguments and output, exact
+    implementation of the same function (`inference/paged_attention.py`: same arguments and output, exact
     fp32 softmax(q k^T * scale) v, grouped queries, sliding windows, sink logits; 0.18.2's own kernels
     ignore a sliding window, this one applies it as 0.19 does) and the version check
     (`is_fa_min_version` as attention.py names it) passes. Multi-latent attention with cached latents
@@ -471,16 +401,19 @@ def _paged_attention_in_torch_patch() -> Callable[[], None] | None:
     fp16 / bf16 take the torch implementation; the others go to megatron-core's own method."""
     from megatron.core.transformer import attention
 
+    from megatron_patch.inference import paged_attention
+
     if not _flash_importable():
         return _swap([
-            (attention.Attention, "flash_decode_and_prefill", _paged_attention_in_torch),
+            (attention.Attention, "flash_decode_and_prefill", paged_attention.flash_decode_and_prefill),
             (attention, "is_fa_min_version", lambda version, check_equality=True: True),
         ])
     flash = attention.Attention.flash_decode_and_prefill
 
     @functools.wraps(flash)
     def by_dtype(self, q, *args, **kwargs):
-        return (flash if q.dtype in _FLASH_DTYPES else _paged_attention_in_torch)(self, q, *args, **kwargs)
+        in_torch = paged_attention.flash_decode_and_prefill
+        return (flash if q.dtype in _FLASH_DTYPES else in_torch)(self, q, *args, **kwargs)
 
     return _swap([(attention.Attention, "flash_decode_and_prefill", by_dtype)])
 

@@ -8,7 +8,7 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 @pytest.fixture(scope="session")
 def cpu_megatron():
     """megatron-core in this process: CPU redirects + a gloo world of one at TP=PP=1."""
-    from megatron_patch.models.parallel import ensure_model_parallel
+    from megatron_patch.runtime.parallel import ensure_model_parallel
     from tests import _cpu
 
     _cpu.install()

@@ -18,17 +18,17 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from megatron_patch.conversion.atomic import atomic_output_dir, check_output
 from megatron_patch.conversion.engine import ConversionError, Plan, make_plan
 from megatron_patch.conversion.hf_io import HFCheckpoint, HFShardWriter, copy_side_files, set_config_dtype
 from megatron_patch.conversion.legacy import save_legacy
 from megatron_patch.conversion.manifest import TensorLog
-from megatron_patch.conversion.mcore_io import HF_SUBDIR, write_manifest
+from megatron_patch.conversion.mcore_io import write_manifest
 from megatron_patch.conversion.megatron_checkpoint import MegatronCheckpoint
 from megatron_patch.conversion.torch_dist import save_torch_dist
 from megatron_patch.models.family import Layout
 from megatron_patch.models.registry import get_family, load_hf_config
-from megatron_patch.names import FORMATS, dtype_name, torch_dtype
+from megatron_patch.names import FORMATS, HF_SUBDIR, dtype_name, torch_dtype
+from megatron_patch.outputs import atomic_output_dir, check_output
 
 
 class _Meter:

@@ -20,9 +20,9 @@ from torch import Tensor
 
 from megatron_patch.models.family import Impl, Layout, ModelFamily
 from megatron_patch.models.mappings import Drop, Mapping, Replicated, Shapes
-from megatron_patch.models.parallel import Rank
 from megatron_patch.models.registry import get_family
 from megatron_patch.names import IMPLS
+from megatron_patch.runtime.parallel import Rank
 
 
 class Placement(NamedTuple):
@@ -368,7 +368,7 @@ def load_hf_into_rank(model: torch.nn.Module, plan: Plan, get: Callable[[str], T
     only its pipeline stage's tensors are read, and it keeps its TP / EP (expert TP) slice. `keep`: Megatron
     names whose values the model keeps (a reward head that starts fresh on a causal LM's backbone).
     `reader`: read only this TP rank's slices where the mapping allows (`hf_to_megatron`)."""
-    from megatron_patch.models.parallel import current_etp_rank, current_rank
+    from megatron_patch.runtime.parallel import current_etp_rank, current_rank
 
     rank = current_rank()
     state = hf_to_megatron(plan, get, hf_keys, dtype, stages=[rank.pp], tp_ranks=[rank.tp], ep_ranks=[rank.ep],

@@ -14,10 +14,9 @@ from torch import Tensor
 
 from megatron_patch.conversion.engine import ConversionError, Plan, extra_state_names, hf_to_megatron
 from megatron_patch.conversion.manifest import TensorLog
-from megatron_patch.conversion.mcore_io import RANK_DIR, checkpoint_args, expected_shapes, write_tracker
-from megatron_patch.models.parallel import Rank
-
-LEGACY_FILE = "model_optim_rng.pt"
+from megatron_patch.conversion.mcore_io import checkpoint_args, expected_shapes, write_tracker
+from megatron_patch.names import LEGACY_FILE, RANK_DIR, RELEASE
+from megatron_patch.runtime.parallel import Rank
 
 
 def legacy_rank_dir(step_dir: str, tp_rank: int, pp_rank: int, pp: int, ep_rank: int = 0, ep: int = 1) -> str:
@@ -31,7 +30,7 @@ def save_legacy(plan: Plan, get: Callable[[str], Tensor], hf_keys: Iterable[str]
     """Convert and write `out_dir/release/mp_rank_*/model_optim_rng.pt`, one rank file at a time:
     memory holds one rank's tensors, at the price of reading a stage's HF tensors once per TP rank."""
     hf_keys = list(hf_keys)
-    step_dir = os.path.join(out_dir, "release")
+    step_dir = os.path.join(out_dir, RELEASE)
     args = checkpoint_args(plan, "legacy")
     expected = expected_shapes(plan)
     lay = plan.layout

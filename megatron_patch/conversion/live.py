@@ -254,7 +254,7 @@ def export_hf_weights(model, hf_config: Any, *, dtype: torch.dtype | None = None
     stage. Expert tensor parallelism different from TP is gathered over its own group. A LoRA model's
     adapted weights come merged (W + alpha / r * B @ A, as `lora.export --save-merged` writes them) unless
     `merge_lora=False` (the base weights)."""
-    from megatron_patch.models.parallel import current_rank
+    from megatron_patch.runtime.parallel import current_rank
 
     adapter = lora_adapter(model, hf_config) if merge_lora else None
     if adapter is not None:

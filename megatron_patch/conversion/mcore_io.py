@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from argparse import Namespace
 from typing import Any
 
@@ -36,12 +35,8 @@ import torch
 from megatron_patch.conversion.engine import ConversionError, Plan, make_plan
 from megatron_patch.models.build import build_model
 from megatron_patch.models.family import Layout
-from megatron_patch.models.parallel import ensure_model_parallel
-
-MANIFEST = "megatron_patch.json"
-HF_SUBDIR = "hf"  # the HF config, tokenizer and generation files kept beside a checkpoint
-TRACKER = "latest_checkpointed_iteration.txt"
-RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")  # legacy rank folders
+from megatron_patch.names import MANIFEST, RANK_DIR, RELEASE, TORCH_DIST_METADATA, TRACKER, step_folder
+from megatron_patch.runtime.parallel import ensure_model_parallel
 
 
 def flat_plan(plan: Plan, impl: str = "local") -> Plan:
@@ -81,7 +76,7 @@ def checkpoint_args(plan: Plan, fmt: str) -> Namespace:
 
 def write_tracker(out_dir: str) -> None:
     with open(os.path.join(out_dir, TRACKER), "w") as f:
-        f.write("release")
+        f.write(RELEASE)
 
 
 def checkpoint_step_dir(ckpt_dir: str) -> str:
@@ -93,16 +88,16 @@ def checkpoint_step_dir(ckpt_dir: str) -> str:
         raise FileNotFoundError(f"{ckpt_dir} is not a Megatron checkpoint folder (no {TRACKER})")
     with open(tracker) as f:
         step = f.read().strip()
-    if step != "release" and not step.isdigit():
-        raise ConversionError(f"{tracker} holds {step!r}, neither 'release' nor an iteration number")
-    path = os.path.join(ckpt_dir, "release" if step == "release" else f"iter_{int(step):07d}")
+    if step != RELEASE and not step.isdigit():
+        raise ConversionError(f"{tracker} holds {step!r}, neither '{RELEASE}' nor an iteration number")
+    path = os.path.join(ckpt_dir, step_folder(step))
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{tracker} points to {path}, which does not exist")
     return path
 
 
 def detect_format(step_dir: str) -> str:
-    if os.path.isfile(os.path.join(step_dir, "metadata.json")):
+    if os.path.isfile(os.path.join(step_dir, TORCH_DIST_METADATA)):
         return "torch_dist"
     if any(RANK_DIR.match(n) for n in os.listdir(step_dir)):
         return "legacy"

@@ -20,26 +20,14 @@ from megatron_patch.conversion.engine import (
     make_plan,
     placements_to_hf,
 )
-from megatron_patch.conversion.legacy import (
-    LEGACY_FILE,
-    legacy_layout,
-    legacy_rank_dir,
-    load_legacy_file,
-    load_legacy_stage,
-)
-from megatron_patch.conversion.mcore_io import (
-    HF_SUBDIR,
-    MANIFEST,
-    checkpoint_step_dir,
-    detect_format,
-    flat_plan,
-    read_manifest,
-)
+from megatron_patch.conversion.legacy import legacy_layout, legacy_rank_dir, load_legacy_file, load_legacy_stage
+from megatron_patch.conversion.mcore_io import checkpoint_step_dir, detect_format, flat_plan, read_manifest
 from megatron_patch.conversion.torch_dist import TorchDistReader, is_hybrid_checkpoint, torch_dist_info
 from megatron_patch.models.build import build_model
 from megatron_patch.models.family import Layout
-from megatron_patch.models.parallel import Rank, ensure_model_parallel
 from megatron_patch.models.registry import get_family, load_hf_config
+from megatron_patch.names import HF_SUBDIR, LEGACY_FILE, MANIFEST
+from megatron_patch.runtime.parallel import Rank, ensure_model_parallel
 
 
 def _query_groups(hf_config: dict, qkv_rows: int | None) -> int | None:

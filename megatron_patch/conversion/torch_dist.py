@@ -40,6 +40,7 @@ from megatron_patch.conversion.engine import (
 )
 from megatron_patch.conversion.manifest import TensorLog
 from megatron_patch.conversion.mcore_io import checkpoint_args, expected_shapes, flat_plan, meta_template, write_tracker
+from megatron_patch.names import RELEASE
 
 WRITE_THREADS = 2
 STACKED_LAYERS = "decoder.layers."
@@ -104,7 +105,7 @@ def save_torch_dist(plan: Plan, get: Callable[[str], Tensor], hf_keys: Iterable[
     common = {"checkpoint_version": 3.0, "iteration": 0, "args": checkpoint_args(plan, "torch_dist")}
     inline = compat.torch_dist_common_state_inline()
     planner = _LazySavePlanner(sharded, convert, common if inline else None, dtype, log, sources)
-    release = os.path.join(out_dir, "release")
+    release = os.path.join(out_dir, RELEASE)
     os.makedirs(release)
     if not inline:
         torch.save(common, os.path.join(release, COMMON_STATE_FNAME))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from megatron_patch.inference.sampling import Sampling
 from megatron_patch.names import DTYPE_NAMES, IMPLS, torch_dtype
 
 
@@ -61,7 +62,7 @@ def model_folder(mcore_dir: str | None, hf_dir: str | None) -> str:
     checkpoint's `hf/` (what the converter and our training runs keep beside the weights)."""
     import os
 
-    from megatron_patch.conversion.mcore_io import HF_SUBDIR
+    from megatron_patch.names import HF_SUBDIR
 
     return hf_dir if hf_dir else os.path.join(mcore_dir or "", HF_SUBDIR)
 
@@ -142,20 +143,13 @@ def stdin_lines() -> list[str]:
 
     import torch.distributed as dist
 
-    from megatron_patch.models.parallel import join_launcher_world
+    from megatron_patch.runtime.parallel import join_launcher_world
 
     if not join_launcher_world():
         return list(sys.stdin)
     box = [list(sys.stdin) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, 0)
     return box[0]
-
-
-def check_stop(stop: Sequence[str], name: str = "stop") -> None:
-    """Stop strings must be non-empty: every text contains the empty string. `name`: the argument or flag
-    the errors name."""
-    if any(s == "" for s in stop):
-        raise ValueError(f"{name}: an empty string would end every generation at its first token")
 
 
 def context_length(model) -> int:
@@ -210,46 +204,30 @@ def choose_engine(model, engine: str = "auto") -> str:
     return "dynamic" if model.config.pipeline_model_parallel_size > 1 else "static"
 
 
-def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
-             top_k: int = 1, top_p: float = 0.0, seed: int = 1234, max_batch_size: int | None = None,
-             stop_id: int | None = None, on_tokens: Callable[[int, list[int]], None] | None = None,
-             stop: Sequence[str] = (), kv_cache_gb: float | None = None,
+def generate(model, tokenizer, prompts: list[list[int]], sampling: Sampling, *, max_batch_size: int | None = None,
+             on_tokens: Callable[[int, list[int]], None] | None = None, kv_cache_gb: float | None = None,
              cuda_graphs: bool | None = None, engine: str = "auto") -> list[list[int]]:
-    """New token ids for each prompt, on megatron-core's inference engine `engine` (`choose_engine`). On the
-    dynamic engine all prompts are queued at once and run with continuous batching, at most
-    `max_batch_size` in flight (default `dynamic.default_max_requests()`); a request that finishes frees its slot
-    and KV blocks for the next one. On the static one, prompts run in batches of `max_batch_size` (default
-    `static.DEFAULT_BATCH_SIZE`), prompts of different lengths together.
-    A generation ends after `max_new_tokens`, before `stop_id` (the end token: left out of the result;
-    None: no early end), or at the token whose addition makes the generated text (its detokenization)
-    contain one of the `stop` strings: that token is the last one returned, so the text ends with the
-    stop string, plus the rest of that token's text when the stop string ends inside it. top_k=1 is
-    greedy; otherwise tokens are sampled (temperature, top-k or top-p) from one generator seeded with
-    `seed` (reproducible for the same requests, `max_batch_size` and engine). `on_tokens(prompt index,
-    tokens so far)` is called after every step in which a request grew. Dynamic engine only:
+    """New token ids for each prompt, picked and ended as `sampling` says (`Sampling`), on megatron-core's
+    inference engine `engine` (`choose_engine`). On the dynamic engine all prompts are queued at once and run
+    with continuous batching, at most `max_batch_size` in flight (default `dynamic.default_max_requests()`); a
+    request that finishes frees its slot and KV blocks for the next one. On the static one, prompts run in
+    batches of `max_batch_size` (default `static.DEFAULT_BATCH_SIZE`), prompts of different lengths together.
+    Sampled tokens are reproducible for the same requests, `max_batch_size` and engine. `on_tokens(prompt
+    index, tokens so far)` is called after every step in which a request grew. Dynamic engine only:
     `kv_cache_gb`, this rank's KV cache budget (default: `dynamic.plan_engine`'s automatic one); `cuda_graphs`,
     capture CUDA graphs (default: on a GPU). Every rank of a TP / PP / EP group calls this with the same
     arguments."""
     for i, p in enumerate(prompts):
         if not p:
             raise ValueError(f"prompt {i} is empty: generation needs at least one prompt token")
-    check_stop(stop)
-    if top_k == 1:
-        top_p = 0.0  # greedy: the argmax, whatever the other filters say
-    elif top_k > 0 and top_p > 0:
-        raise ValueError(f"top_k {top_k} and top_p {top_p}: megatron-core samples with one of the two filters")
-    if top_k != 1 and temperature <= 0:
-        raise ValueError(f"temperature must be > 0 for sampling (got {temperature}); greedy decoding is top_k=1")
-    check_lengths(prompts, max_new_tokens, context_length(model))
+    check_lengths(prompts, sampling.max_new_tokens, context_length(model))
     if choose_engine(model, engine) == "static":
         from megatron_patch.inference.static import DEFAULT_BATCH_SIZE, generate_static
 
         if model.config.pipeline_model_parallel_size > 1:
             raise ValueError("the static inference engine does not run pipeline-parallel models: use the dynamic "
                              "one (--engine dynamic)")
-        return generate_static(model, tokenizer, prompts, max_new_tokens, temperature, top_k, top_p, seed,
-                               max_batch_size or DEFAULT_BATCH_SIZE, stop_id, on_tokens, stop)
+        return generate_static(model, tokenizer, prompts, sampling, max_batch_size or DEFAULT_BATCH_SIZE, on_tokens)
     from megatron_patch.inference.dynamic import generate_dynamic
 
-    return generate_dynamic(model, tokenizer, prompts, max_new_tokens, temperature, top_k, top_p, seed,
-                            max_batch_size, stop_id, on_tokens, stop, kv_cache_gb, cuda_graphs)
+    return generate_dynamic(model, tokenizer, prompts, sampling, max_batch_size, on_tokens, kv_cache_gb, cuda_graphs)

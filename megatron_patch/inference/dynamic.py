@@ -10,6 +10,7 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from megatron_patch.inference.sampling import Sampling
 from megatron_patch.inference.stops import holds_stop, stop_window
 
 # KV cache page size in tokens: megatron-core's default (flash-attn's paged kernels want a multiple of 256).
@@ -156,9 +157,8 @@ def unsupported_attention(model) -> str | None:
     return None
 
 
-def generate_dynamic(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float,
-                     top_k: int, top_p: float, seed: int, max_requests: int | None, stop_id: int | None, on_tokens,
-                     stop: Sequence[str], kv_cache_gb: float | None, cuda_graphs: bool | None) -> list[list[int]]:
+def generate_dynamic(model, tokenizer, prompts: list[list[int]], sampling: Sampling, max_requests: int | None,
+                     on_tokens, kv_cache_gb: float | None, cuda_graphs: bool | None) -> list[list[int]]:
     """`generate` on megatron-core's dynamic engine (the arguments as `megatron_patch.inference.generate`
     checked them): every prompt queued at once, at most `max_requests` in flight."""
     import torch
@@ -172,10 +172,9 @@ def generate_dynamic(model, tokenizer, prompts: list[list[int]], max_new_tokens:
     with (torch.no_grad(), patches.applied("cpu_cuda_calls"), patches.applied("paged_attention_in_torch"),
           patches.applied("fa4_no_split_kv_on_sm90"), _inference_mode()):
         _require_einops()
-        plan = plan_engine(model, prompts, max_new_tokens, max_requests, kv_cache_gb, cuda_graphs)
+        plan = plan_engine(model, prompts, sampling.max_new_tokens, max_requests, kv_cache_gb, cuda_graphs)
         engine = _Engines.get(model, tokenizer, plan)
-        return _run(engine, tokenizer, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_id, on_tokens,
-                    stop)
+        return _run(engine, tokenizer, prompts, sampling, on_tokens)
 
 
 @contextlib.contextmanager
@@ -386,17 +385,16 @@ class _StopStrings:
         return done
 
 
-def _run(engine, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_k: int,
-         top_p: float, seed: int, stop_id: int | None, on_tokens, stop: Sequence[str]) -> list[list[int]]:
+def _run(engine, tokenizer, prompts: list[list[int]], sampling: Sampling, on_tokens) -> list[list[int]]:
     """Queue every prompt, step the engine until all have finished, return their tokens in order."""
     from megatron.core.inference.inference_request import Status
-    from megatron.core.inference.sampling_params import SamplingParams
 
-    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, num_tokens_to_generate=max_new_tokens,
-                            termination_id=-1 if stop_id is None else stop_id)
-    engine.controller.sampling_rng.manual_seed(seed)
+    params = sampling.megatron_params()
+    stop_id = sampling.stop_id
+    engine.controller.sampling_rng.manual_seed(sampling.seed)
     engine.controller.set_stop_word_finished_ids_callback(
-        _StopStrings(engine, tokenizer, stop) if stop else engine._get_and_clear_stop_word_finished_ids)
+        _StopStrings(engine, tokenizer, sampling.stop) if sampling.stop
+        else engine._get_and_clear_stop_word_finished_ids)
     out: list[list[int] | None] = [None] * len(prompts)
     shown = [0] * len(prompts)
 

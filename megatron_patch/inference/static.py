@@ -6,14 +6,14 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 
+from megatron_patch.inference.sampling import Sampling
 from megatron_patch.inference.stops import holds_stop, stop_window
 
 DEFAULT_BATCH_SIZE = 8  # prompts per batch when the caller names none (megatron-core's own default)
 
 
-def generate_static(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float,
-                     top_k: int, top_p: float, seed: int, batch_size: int, stop_id: int | None, on_tokens,
-                     stop: Sequence[str]) -> list[list[int]]:
+def generate_static(model, tokenizer, prompts: list[list[int]], sampling: Sampling, batch_size: int,
+                    on_tokens) -> list[list[int]]:
     """`generate` on megatron-core's static-batch controller: batches of `batch_size` prompts, each with
     its own KV cache; a batch stops computing once all its requests hit the end token or a stop string."""
     import time
@@ -23,23 +23,21 @@ def generate_static(model, tokenizer, prompts: list[list[int]], max_new_tokens: 
     from megatron.core.inference.contexts import StaticInferenceContext
     from megatron.core.inference.inference_request import InferenceRequest, Status
     from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
-    from megatron.core.inference.sampling_params import SamplingParams
 
     from megatron_patch import patches
 
-    longest = max(len(p) for p in prompts) + max_new_tokens
-    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, num_tokens_to_generate=max_new_tokens,
-                            termination_id=-1 if stop_id is None else stop_id)
+    longest = max(len(p) for p in prompts) + sampling.max_new_tokens
+    params = sampling.megatron_params()
     params.no_detokenize_streaming_text = True  # streamed tokens are decoded by the caller
-    params.no_early_termination = stop_id is None  # megatron otherwise stops at the tokenizer's eod
+    params.no_early_termination = sampling.stop_id is None  # megatron otherwise stops at the tokenizer's eod
     out: list[list[int]] = []
     with torch.no_grad(), patches.applied("cpu_cuda_calls"):
         for start in range(0, len(prompts), batch_size):
             batch = prompts[start: start + batch_size]
             context = StaticInferenceContext(max_batch_size=len(batch), max_sequence_length=longest)
             controller = _static_controller()(GPTInferenceWrapper(model, context), tokenizer,
-                                              [len(p) for p in batch], stop)
-            controller.sampling_rng.manual_seed(seed + start)  # the controller samples from its own generator
+                                              [len(p) for p in batch], sampling.stop)
+            controller.sampling_rng.manual_seed(sampling.seed + start)  # the controller samples from its own generator
             requests = OrderedDict(
                 (i, InferenceRequest(request_id=i, prompt="", sampling_params=params, prompt_tokens=list(p),
                                      arrival_time=time.time(), status=Status.ACTIVE_BUT_NOT_GENERATING_TOKENS))

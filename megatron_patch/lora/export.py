@@ -40,9 +40,9 @@ def run_args(ckpt: str):
 def checkpoint_adapter(ckpt: str):
     """(Adapter, plan, the run's arguments, the HF config folder) of a LoRA run's checkpoint."""
     from megatron_patch.conversion.engine import make_plan
-    from megatron_patch.conversion.mcore_io import HF_SUBDIR
     from megatron_patch.lora.peft import read_checkpoint_adapter, to_peft
     from megatron_patch.models import load_hf_config
+    from megatron_patch.names import HF_SUBDIR
 
     step, args = run_args(ckpt)
     hf_dir = os.path.join(ckpt, HF_SUBDIR)
@@ -54,14 +54,14 @@ def checkpoint_adapter(ckpt: str):
 def export(load: str | None = None, adapter_dir: str | None = None, base: str | None = None,
            peft: str | None = None, merged: str | None = None, overwrite: bool = False) -> dict:
     """Every output is checked against every input (`--load`, `--adapter`, `--base`) and the other output with
-    the converter's own check (`atomic.check_output`), and the adapter against the base, before anything is
+    the converter's own check (`outputs.check_output`), and the adapter against the base, before anything is
     written; the merged tensors are computed before either folder is written."""
-    from megatron_patch.conversion.atomic import check_output
     from megatron_patch.conversion.convert import save_hf_state
     from megatron_patch.conversion.engine import make_plan
     from megatron_patch.conversion.hf_io import HFCheckpoint
     from megatron_patch.lora.peft import check_base, merge_into, read_peft, write_peft
     from megatron_patch.models import load_hf_config
+    from megatron_patch.outputs import check_output
 
     if bool(load) == bool(adapter_dir):
         raise LoRAError("name one source: --load CKPT (a LoRA run's checkpoint) or --adapter DIR (a PEFT folder)")
@@ -79,7 +79,7 @@ def export(load: str | None = None, adapter_dir: str | None = None, base: str | 
             check_output(out, overwrite, {"--load": load, "--adapter": adapter_dir, "--base": base}, flag=flag,
                          outputs={f: o for f, o in outputs.items() if f != flag})
     if load:
-        from megatron_patch.conversion.mcore_io import HF_SUBDIR
+        from megatron_patch.names import HF_SUBDIR
 
         adapter, plan, args, side = checkpoint_adapter(load)
         if merged:

@@ -148,8 +148,8 @@ def write_peft(out: str, adapter: Adapter, plan, base_model: str | None = None, 
     NaN / Inf and listed with its CRC in tensors.json, as everything the converter writes)."""
     from safetensors.torch import save_file
 
-    from megatron_patch.conversion.atomic import atomic_output_dir, check_output
     from megatron_patch.conversion.manifest import TensorLog
+    from megatron_patch.outputs import atomic_output_dir, check_output
 
     check_output(out, overwrite)
     modules = sorted(adapter.modules)

@@ -12,9 +12,9 @@ import torch
 
 from megatron_patch import patches
 from megatron_patch.models.family import Impl, Layout, ModelFamily
-from megatron_patch.models.parallel import ensure_model_parallel
 from megatron_patch.models.registry import get_family
 from megatron_patch.names import IMPLS
+from megatron_patch.runtime.parallel import ensure_model_parallel
 
 MODEL_CLASSES = ("gpt", "hybrid")  # megatron-core's GPTModel, or its HybridModel (models/hybrid.py)
 

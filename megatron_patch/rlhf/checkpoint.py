@@ -29,7 +29,7 @@ def rank_file(folder: str) -> str:
     """This rank's file in a step folder: `rank_TT.pt`, `rank_TT_PPP.pt` at PP > 1 (megatron's naming)."""
     from megatron.core import parallel_state
 
-    from megatron_patch.models.parallel import current_rank
+    from megatron_patch.runtime.parallel import current_rank
 
     rank = current_rank()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
@@ -79,7 +79,7 @@ def save(folder: str, step: int, rank_state: dict, run_state: dict) -> None:
     """Write step `step`: every rank its `rank_state`, then the first rank `state.json` (`run_state` with the
     step) and the tracker. Every rank of the run calls it."""
     from megatron_patch.cli import is_first_rank
-    from megatron_patch.conversion.atomic import atomic_output_file
+    from megatron_patch.outputs import atomic_output_file
 
     here = step_dir(folder, step)
     os.makedirs(here, exist_ok=True)

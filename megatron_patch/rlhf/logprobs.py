@@ -1,6 +1,6 @@
 """Per-token log-probabilities (and entropies) of a batch under a model at any TP x PP, over the model's own
 vocabulary (megatron's padded columns masked): what the online-RL trainers (`megatron_patch.rlhf.loop`) compute
-the old, reference and new log-probabilities with. `megatron_patch.models.pipeline` runs the stages."""
+the old, reference and new log-probabilities with. `megatron_patch.runtime.pipeline` runs the stages."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def logps_of(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, entrop
 def token_logps(model, tokens: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """log p(label) per position [rows, s] under `model` (over its `vocab_size` tokens), without gradient, on
     every rank at any TP x PP, on the tokens' device."""
-    from megatron_patch.models import pipeline
+    from megatron_patch.runtime import pipeline
 
     return pipeline.forward_everywhere(model, tokens, tuple(tokens.shape),
                                        lambda logits: logps_of(logits, labels, vocab_size))

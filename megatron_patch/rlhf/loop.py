@@ -81,7 +81,7 @@ def optimizer_step(model, optimizer, max_norm: float) -> float:
     """After a backward pass: the tied embedding's gradient shared by the first and last stages, the gradients
     clipped to norm `max_norm` over all model-parallel ranks, the optimizer's step; returns the norm before
     clipping."""
-    from megatron_patch.models import pipeline
+    from megatron_patch.runtime import pipeline
 
     pipeline.share_embedding_grads(model)
     norm = pipeline.clip_grad_norm(model, max_norm)
@@ -93,7 +93,7 @@ def update(model, optimizer, tokens: torch.Tensor, loss_fn, step: int, max_norm:
            loss_key: str = "loss", what: str = "the loss") -> dict:
     """One optimizer step of `model` on `tokens` at any TP x PP (`pipeline.forward_backward` with `loss_fn`,
     which returns (loss, metrics)): its metrics, the step refused when `metrics[loss_key]` is not finite."""
-    from megatron_patch.models import pipeline
+    from megatron_patch.runtime import pipeline
 
     optimizer.zero_grad(set_to_none=True)
     metrics = pipeline.forward_backward(model, tokens, loss_fn)
@@ -268,10 +268,10 @@ class OnlineRL:
 
     def __init__(self, args, algorithm: type[Algorithm]):
         from megatron_patch.cli import is_first_rank
-        from megatron_patch.conversion.atomic import check_output
         from megatron_patch.inference import context_length_of, model_folder, read_prompts
         from megatron_patch.models import load_hf_config, vocab_size
         from megatron_patch.names import torch_dtype
+        from megatron_patch.outputs import check_output
         from megatron_patch.rlhf.checkpoint import replaces_saved_run
         from megatron_patch.tokenizer import build_tokenizer
 
@@ -323,6 +323,7 @@ class OnlineRL:
 
     def step(self, step: int) -> tuple[dict, object]:
         """One step: (its row, the rollouts it trained on)."""
+        from megatron_patch.inference.sampling import Sampling
         from megatron_patch.rlhf.logprobs import token_logps
         from megatron_patch.rlhf.rollout import rollout
 
@@ -331,8 +332,10 @@ class OnlineRL:
         # each prompt `group` times in a row: a group's samples sit together
         rows = [(step * a.prompts_per_step + i) % len(self.prompt_ids) for i in range(a.prompts_per_step)
                 for _ in range(group)]
-        r = rollout(self.policy, self.tokenizer, [self.prompt_ids[i] for i in rows], a.max_new_tokens,
-                    a.temperature, a.top_p, a.seed + step, self.device, a.engine)
+        # sampled from the whole distribution (top-k off) or its nucleus (--top-p), the end token ending a sample
+        sampling = Sampling(a.max_new_tokens, a.temperature, top_k=0, top_p=a.top_p, seed=a.seed + step,
+                            stop_id=self.tokenizer.eod)
+        r = rollout(self.policy, self.tokenizer, [self.prompt_ids[i] for i in rows], sampling, self.device, a.engine)
         old = token_logps(self.policy, r.tokens, r.labels, self.vocab)
         ref = token_logps(self.reference, r.tokens, r.labels, self.vocab)
         scores = self.algorithm.scores(rows, r).to(self.device)

@@ -7,7 +7,7 @@
     torchrun --nproc-per-node 4 -m megatron_patch.rlhf.ppo ... --tp 2 --pp 2      # and pipeline parallel
 
 Four megatron-core GPTModels, colocated on the same ranks in one TP x PP layout (at PP > 1 each runs through
-megatron-core's pipeline schedule, `megatron_patch.models.pipeline`): the actor (the policy, trained),
+megatron-core's pipeline schedule, `megatron_patch.runtime.pipeline`): the actor (the policy, trained),
 a frozen reference (the starting policy), a frozen reward model (`--reward-model`, a
 `<Family>ForSequenceClassification` trained by `megatron_patch.rlhf.reward_model`; or a rule, `--reward
 module:function` called as fn(prompt, completion) -> float) and the critic (trained): a value head on any
@@ -111,15 +111,15 @@ class PPO(Algorithm):
 
     def values(self, tokens: torch.Tensor) -> torch.Tensor:
         """The critic's value at every position [rows, s], without gradient, on every rank."""
-        from megatron_patch.models import pipeline
+        from megatron_patch.runtime import pipeline
 
         return pipeline.forward_everywhere(self.critic, tokens, tuple(tokens.shape), lambda out: out[..., 0])
 
     def scores(self, rows: list[int], r) -> torch.Tensor:
         """The reward of each completion: the reward model's value at the sequence's scored token (its last
         real token, as the reward model was trained and as HF scores it), or the rule's."""
-        from megatron_patch.models import pipeline
         from megatron_patch.models.reward import scored_values
+        from megatron_patch.runtime import pipeline
 
         if self.reward_model is not None:
             values = pipeline.forward_everywhere(self.reward_model, r.tokens, (*r.tokens.shape, 1))

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_patch.inference.sampling import Sampling
+
 
 def with_end_token(completions: list[list[int]], max_new_tokens: int, eod: int) -> list[list[int]]:
     """The sampled completions as trained on: one that ended before `max_new_tokens` ended by sampling
@@ -45,18 +47,16 @@ class Rollouts:
         return [len(c) for c in self.completions]
 
 
-def rollout(policy, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_p: float,
-            seed: int, device, engine: str = "auto") -> Rollouts:
+def rollout(policy, tokenizer, prompts: list[list[int]], sampling: Sampling, device, engine: str = "auto") -> Rollouts:
     """Sample one completion per prompt on the policy itself (all of them in one call of the inference
     engine, which keeps itself for the next call while its sizes fit) and batch them for training. Every
     rank of the TP x PP group calls this with the same arguments and gets the same rollouts."""
     from megatron_patch.inference import generate
 
     policy.eval()
-    sampled = generate(policy, tokenizer, prompts, max_new_tokens, temperature, 0, top_p, seed=seed,
-                       max_batch_size=len(prompts), stop_id=tokenizer.eod, engine=engine)
+    sampled = generate(policy, tokenizer, prompts, sampling, max_batch_size=len(prompts), engine=engine)
     texts = [tokenizer.detokenize(c) for c in sampled]
-    completions = with_end_token(sampled, max_new_tokens, tokenizer.eod)
+    completions = with_end_token(sampled, sampling.max_new_tokens, tokenizer.eod)
     tokens, labels, mask = batch_of(prompts, completions, tokenizer.pad, device)
     lengths = torch.tensor([len(p) + len(c) for p, c in zip(prompts, completions)], device=device)
     return Rollouts(prompts, completions, texts, tokens, labels, mask, lengths)

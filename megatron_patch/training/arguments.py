@@ -22,9 +22,9 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from megatron_patch.conversion.mcore_io import HF_SUBDIR, TRACKER
 from megatron_patch.models import Layout, get_family, load_hf_config
 from megatron_patch.models.build import MODEL_CLASSES
+from megatron_patch.names import HF_SUBDIR, RELEASE, TRACKER
 
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 _TRAINING_CHOICES = {"hidden_dropout", "attention_dropout", "init_method_std"}
@@ -361,11 +361,11 @@ def check_numbers(args: argparse.Namespace) -> None:
 
 def check_exports(args: argparse.Namespace) -> None:
     """--save-hf and --save-peft, written from --save after training, are checked now with the converter's own
-    output check (`atomic.check_output`): each must be a new folder (the entry points have no --overwrite), not
+    output check (`outputs.check_output`): each must be a new folder (the entry points have no --overwrite), not
     an input (--load-hf, --load, --hf-config, --lora-import, --tokenizer-model) nor holding one, and neither be
     nor hold --save or the other export. Inside --save (e.g. --save OUT --save-hf OUT/hf_final) an export may
     lie, but not where the checkpoints keep their own files (OUT/hf, OUT/iter_*, OUT/release)."""
-    from megatron_patch.conversion.atomic import check_output
+    from megatron_patch.outputs import check_output
 
     sources = {"--load-hf": args.load_hf, "--load": args.load, "--hf-config": args.hf_config,
                "--lora-import": getattr(args, "lora_import", None), "--tokenizer-model": args.tokenizer_model}
@@ -377,7 +377,7 @@ def check_exports(args: argparse.Namespace) -> None:
         check_output(out, False, sources, flag=flag, overwrite_flag=None, outputs=others, created_first=[args.save])
         if args.save and not os.path.relpath(os.path.abspath(out), os.path.abspath(args.save)).startswith(".."):
             first = os.path.relpath(os.path.abspath(out), os.path.abspath(args.save)).split(os.sep)[0]
-            if first in (HF_SUBDIR, TRACKER, "release") or first.startswith("iter_"):
+            if first in (HF_SUBDIR, TRACKER, RELEASE) or first.startswith("iter_"):
                 raise ValueError(f"{flag} {out} is where the --save folder {args.save} keeps its checkpoints' own "
                                  f"files ({first}); choose another {flag}")
 

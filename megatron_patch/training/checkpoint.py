@@ -10,7 +10,7 @@ import os
 import torch.distributed as dist
 
 from megatron_patch.conversion.hf_io import copy_side_files
-from megatron_patch.conversion.mcore_io import HF_SUBDIR
+from megatron_patch.names import HF_SUBDIR
 
 
 def _rank0() -> bool:

@@ -36,9 +36,9 @@ LAYOUTS = [(1, 1, 1, None), (2, 1, 1, None), (1, 2, 1, None), (2, 2, 1, None), (
 
 def _check_layouts(rank: int, data_path: str) -> dict:
     from megatron_patch.conversion.engine import hf_to_megatron, load_rank_state_dict, make_plan
-    from megatron_patch.conversion.verify import megatron_logits
     from megatron_patch.models import Layout, build_model
-    from megatron_patch.models.parallel import current_etp_rank, current_rank
+    from megatron_patch.runtime.logits import megatron_logits
+    from megatron_patch.runtime.parallel import current_etp_rank, current_rank
 
     data = torch.load(data_path, weights_only=False)
     results = {}

@@ -79,7 +79,7 @@ def _one_step(bridge, model) -> dict:
     the streamed export."""
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    from megatron_patch.models import pipeline
+    from megatron_patch.runtime import pipeline
 
     tokens = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(3))
     labels = tokens.roll(-1, dims=1)

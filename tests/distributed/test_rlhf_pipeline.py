@@ -1,6 +1,6 @@
 """PPO and GRPO under pipeline parallelism on CPU (gloo processes): the four PPO models (actor, reference,
 reward-model-shaped critic, rule reward) and GRPO's policy run through megatron-core's pipeline schedule
-(`megatron_patch.models.pipeline`). Over two steps, the second on the updated weights:
+(`megatron_patch.runtime.pipeline`). Over two steps, the second on the updated weights:
 
 - PP=2 and TP=2 x PP=2 give PP=1's rollouts token for token and its metrics (<= 1e-4 relative): the forward
   passes, the gradients through both stages, the tied embedding's gradient shared by the first and last

@@ -11,8 +11,9 @@ import torch
 
 from megatron_patch.conversion.engine import extra_state_names, make_plan
 from megatron_patch.conversion.hf_io import read_all
-from megatron_patch.conversion.legacy import LEGACY_FILE, load_legacy_file
+from megatron_patch.conversion.legacy import load_legacy_file
 from megatron_patch.models import Layout
+from megatron_patch.names import LEGACY_FILE
 from tests.models import hf_model, llama_config, save_hf
 from toolkits.checkpoint_converter.__main__ import main
 

@@ -118,7 +118,7 @@ def test_bad_input(setup, tmp_path, capsys):
 
 
 def _generate_tp2_and_pp2(rank: int, mc: str) -> dict[str, list[list[int]]]:
-    from megatron_patch.inference import generate, load_model
+    from megatron_patch.inference import Sampling, generate, load_model
     from megatron_patch.tokenizer import build_tokenizer
     from tests import _cpu
 
@@ -127,8 +127,8 @@ def _generate_tp2_and_pp2(rank: int, mc: str) -> dict[str, list[list[int]]]:
     for tp, pp in ((2, 1), (1, 2)):
         _cpu.init_model_parallel(tp, pp)
         model, _ = load_model(mc, None, tp, pp)
-        out[f"tp{tp}pp{pp}"] = generate(model, tok, [tok.tokenize(p) for p in PROMPTS], 12, top_k=1, stop_id=tok.eod,
-                                        max_batch_size=2)
+        out[f"tp{tp}pp{pp}"] = generate(model, tok, [tok.tokenize(p) for p in PROMPTS],
+                                        Sampling(12, top_k=1, stop_id=tok.eod), max_batch_size=2)
     return out
 
 
@@ -153,7 +153,7 @@ def test_single_prompt_streams_to_terminal(setup, tmp_path, capsys):
     """--stream prints the text step by step to stderr; the streamed text is the final generation, and
     the library's per-step callback sees the tokens grow one at a time."""
     from megatron_patch.generate import main
-    from megatron_patch.inference import generate, load_model
+    from megatron_patch.inference import Sampling, generate, load_model
     from megatron_patch.tokenizer import build_tokenizer
 
     root, _, mc = setup
@@ -166,7 +166,8 @@ def test_single_prompt_streams_to_terminal(setup, tmp_path, capsys):
     tok = build_tokenizer(TINY_TOKENIZER)
     model, _ = load_model(mc, None)
     seen = []
-    out = generate(model, tok, [tok.tokenize(PROMPTS[1])], 8, top_k=1, on_tokens=lambda i, t: seen.append((i, t)))
+    out = generate(model, tok, [tok.tokenize(PROMPTS[1])], Sampling(8, top_k=1),
+                   on_tokens=lambda i, t: seen.append((i, t)))
     assert [len(t) for _, t in seen] == list(range(1, len(out[0]) + 1)) and seen[-1] == (0, out[0])
 
 
@@ -199,14 +200,14 @@ def test_stop_string_ends_generation_at_the_completing_token(setup, tmp_path, en
     rest of that token), the other sequences of the batch run on unchanged, and the model is run only
     as many steps as tokens were kept (generation stopped, not trimmed afterwards)."""
     from megatron_patch.generate import main
-    from megatron_patch.inference import generate, load_model
+    from megatron_patch.inference import Sampling, generate, load_model
     from megatron_patch.tokenizer import build_tokenizer
 
     root, _, mc = setup
     tok = build_tokenizer(TINY_TOKENIZER)
     model, _ = load_model(mc, None)
     ids = [tok.tokenize(p) for p in PROMPTS]
-    full = generate(model, tok, ids, 12, top_k=1, stop_id=tok.eod, engine=engine)
+    full = generate(model, tok, ids, Sampling(12, top_k=1, stop_id=tok.eod), engine=engine)
     # a stop string for prompt 0: the last character before token k and the first of token k's text
     for k in range(1, len(full[0]) - 1):
         before, text = tok.detokenize(full[0][:k]), tok.detokenize(full[0][:k + 1])
@@ -220,7 +221,7 @@ def test_stop_string_ends_generation_at_the_completing_token(setup, tmp_path, en
     calls = []
     hook = model.register_forward_hook(lambda *a: calls.append(1))
     try:
-        one = generate(model, tok, [ids[0]], 12, top_k=1, stop_id=tok.eod, stop=[stop], engine=engine)
+        one = generate(model, tok, [ids[0]], Sampling(12, top_k=1, stop_id=tok.eod, stop=[stop]), engine=engine)
     finally:
         hook.remove()
     assert one == [full[0][:k + 1]] and len(calls) == k + 1 < 12
@@ -246,7 +247,7 @@ def test_async_scheduling_generates_the_same_tokens(setup, monkeypatch):
     """megatron-core's asynchronous scheduling (`dynamic.ASYNC_SCHEDULING`) against the default: the same
     greedy tokens for prompts of different lengths with more prompts than slots (continuous batching), an
     end token and a stop string; the engine is rebuilt when the setting changes (not reused across it)."""
-    from megatron_patch.inference import dynamic, generate, load_model
+    from megatron_patch.inference import Sampling, dynamic, generate, load_model
     from megatron_patch.tokenizer import build_tokenizer
 
     _, _, mc = setup
@@ -256,12 +257,12 @@ def test_async_scheduling_generates_the_same_tokens(setup, monkeypatch):
     runs = {}
     for on in (False, True):
         monkeypatch.setattr(dynamic, "ASYNC_SCHEDULING", on)
-        full = generate(model, tok, ids, 12, top_k=1, max_batch_size=2, stop_id=tok.eod, engine="dynamic")
+        full = generate(model, tok, ids, Sampling(12, top_k=1, stop_id=tok.eod), max_batch_size=2, engine="dynamic")
         assert dynamic._Engines.plan.async_scheduling is on
         end = full[1][4]  # a token the greedy run samples: an end token that cuts requests short
-        cut = generate(model, tok, ids, 12, top_k=1, max_batch_size=2, stop_id=end, engine="dynamic")
+        cut = generate(model, tok, ids, Sampling(12, top_k=1, stop_id=end), max_batch_size=2, engine="dynamic")
         stop = tok.detokenize(full[0][:3])[-2:]
-        stopped = generate(model, tok, ids, 12, top_k=1, max_batch_size=2, stop_id=tok.eod, stop=[stop],
+        stopped = generate(model, tok, ids, Sampling(12, top_k=1, stop_id=tok.eod, stop=[stop]), max_batch_size=2,
                            engine="dynamic")
         runs[on] = full, cut, stopped
     dynamic.release_engine()
@@ -272,7 +273,7 @@ def test_async_scheduling_generates_the_same_tokens(setup, monkeypatch):
 
 def test_empty_prompt_is_refused_with_its_line(setup, tmp_path, capsys, monkeypatch):
     from megatron_patch.generate import main
-    from megatron_patch.inference import generate
+    from megatron_patch.inference import Sampling, generate
     from megatron_patch.tokenizer import build_tokenizer
 
     root, _, mc = setup
@@ -284,7 +285,7 @@ def test_empty_prompt_is_refused_with_its_line(setup, tmp_path, capsys, monkeypa
         assert f"error: {prompts}, line 3: empty prompt" in capsys.readouterr().err
     assert not (tmp_path / "o.jsonl").exists()
     with pytest.raises(ValueError, match="prompt 1 is empty"):  # the library refuses it too
-        generate(None, build_tokenizer(TINY_TOKENIZER), [[5, 6], []], 4)
+        generate(None, build_tokenizer(TINY_TOKENIZER), [[5, 6], []], Sampling(4))
 
 
 def test_out_is_checked_before_the_model_loads(setup, tmp_path, capsys, monkeypatch):
@@ -358,18 +359,18 @@ def test_generation_ends_before_eod(setup):
     are those before it, and finish_reason says "eod". (A tokenizer whose eod is a token this model
     generates greedily for prompt 2, at its 5th step.)"""
     from megatron_patch.generate import finish_reason
-    from megatron_patch.inference import generate, load_model
+    from megatron_patch.inference import Sampling, generate, load_model
     from megatron_patch.tokenizer import build_tokenizer
 
     *_, mc = setup
     tok = build_tokenizer(TINY_TOKENIZER)
     model, _ = load_model(mc, None)
-    full = generate(model, tok, [tok.tokenize(PROMPTS[2])], 12, top_k=1, stop_id=tok.eod)[0]
+    full = generate(model, tok, [tok.tokenize(PROMPTS[2])], Sampling(12, top_k=1, stop_id=tok.eod))[0]
     eod = full[4]
     assert eod not in full[:4]
 
     other = _EodIs(tok, eod)
-    out = generate(model, other, [tok.tokenize(PROMPTS[2])], 12, top_k=1, stop_id=eod)[0]
+    out = generate(model, other, [tok.tokenize(PROMPTS[2])], Sampling(12, top_k=1, stop_id=eod))[0]
     assert out == full[:4]
     assert finish_reason(tok.detokenize(out), out, [], 12) == "eod"
     assert finish_reason(tok.detokenize(full), full, [], 12) == "length"
@@ -391,29 +392,29 @@ def test_continuous_batching_frees_slots_as_requests_finish(setup):
     every request's tokens equal transformers' `generate` alone with that end token (and one-at-a-time
     generation), never more than two requests run in a step, and a waiting request starts in the step
     after a slot frees, while the other slot's request is still running (continuous, not fixed batches)."""
-    from megatron_patch.inference import generate, load_model
+    from megatron_patch.inference import Sampling, generate, load_model
     from megatron_patch.tokenizer import build_tokenizer
 
     root, hf, mc = setup
     tok = build_tokenizer(TINY_TOKENIZER)
     model, _ = load_model(mc, None)
     ids = [tok.tokenize(p) for p in MORE]
-    full = generate(model, tok, [ids[0]], 12, top_k=1, engine="dynamic")[0]
+    full = generate(model, tok, [ids[0]], Sampling(12, top_k=1), engine="dynamic")[0]
     k = next(k for k in range(2, 12) if full[k] not in full[:k])
     eod = full[k]  # request 0 ends after k tokens
     ends = _EodIs(tok, eod)
     steps, grew = [0], {}
     hook = model.register_forward_pre_hook(lambda *a: steps.__setitem__(0, steps[0] + 1))
     try:
-        out = generate(model, ends, ids, 12, top_k=1, stop_id=eod, max_batch_size=2, engine="dynamic",
-                       on_tokens=lambda i, t: grew.setdefault(steps[0], set()).add(i))
+        out = generate(model, ends, ids, Sampling(12, top_k=1, stop_id=eod), max_batch_size=2,
+                       on_tokens=lambda i, t: grew.setdefault(steps[0], set()).add(i), engine="dynamic")
     finally:
         hook.remove()
     for prompt, mine in zip(ids, out):
         ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=eod,
                           pad_token_id=tok.pad)[0, len(prompt):].tolist()
         assert mine == (ref[:-1] if ref[-1] == eod else ref)
-    assert out == [generate(model, ends, [p], 12, top_k=1, stop_id=eod, max_batch_size=1, engine="dynamic")[0]
+    assert out == [generate(model, ends, [p], Sampling(12, top_k=1, stop_id=eod), max_batch_size=1, engine="dynamic")[0]
                    for p in ids]
     assert len(out[0]) == k < len(out[1]) and max(len(g) for g in grew.values()) == 2
     first = {i: min(s for s, g in grew.items() if i in g) for i in range(len(ids))}
@@ -428,7 +429,7 @@ def test_kv_budget_and_context_are_checked(setup, tmp_path, capsys, monkeypatch)
     the model's context (before the model loads), an empty prompt file (likewise), a KV cache budget
     that cannot hold the longest request (before any generation). The library refuses the same."""
     from megatron_patch.generate import main
-    from megatron_patch.inference import generate, load_model
+    from megatron_patch.inference import Sampling, generate, load_model
     from megatron_patch.tokenizer import build_tokenizer
 
     root, _, mc = setup
@@ -452,11 +453,11 @@ def test_kv_budget_and_context_are_checked(setup, tmp_path, capsys, monkeypatch)
     assert not out.exists()
     model, _ = load_model(mc, None)
     with pytest.raises(ValueError, match="more than the model's context of 256"):
-        generate(model, tok, [tok.tokenize(PROMPTS[0])], 254)
+        generate(model, tok, [tok.tokenize(PROMPTS[0])], Sampling(254))
     with pytest.raises(ValueError, match="budget of 1e-06 GiB .* holds 0 tokens"):
-        generate(model, tok, [tok.tokenize(PROMPTS[0])], 4, kv_cache_gb=1e-6, engine="dynamic")
+        generate(model, tok, [tok.tokenize(PROMPTS[0])], Sampling(4), kv_cache_gb=1e-6, engine="dynamic")
     with pytest.raises(ValueError, match="one of the two filters"):
-        generate(model, tok, [tok.tokenize(PROMPTS[0])], 4, top_k=5, top_p=0.9)
+        generate(model, tok, [tok.tokenize(PROMPTS[0])], Sampling(4, top_k=5, top_p=0.9))
 
 
 def test_engine_is_kept_between_calls_and_inference_mode_cleared(setup):
@@ -466,19 +467,20 @@ def test_engine_is_kept_between_calls_and_inference_mode_cleared(setup):
     from megatron.core.inference.utils import InferenceMode
 
     from megatron_patch import inference
-    from megatron_patch.conversion.verify import megatron_logits
     from megatron_patch.inference import dynamic
+    from megatron_patch.runtime.logits import megatron_logits
     from megatron_patch.tokenizer import build_tokenizer
 
     *_, mc = setup
     tok = build_tokenizer(TINY_TOKENIZER)
     model, _ = inference.load_model(mc, None)
     ids = [tok.tokenize(p) for p in PROMPTS]
-    first = inference.generate(model, tok, ids, 6, top_k=1, engine="dynamic")
+    greedy = inference.Sampling
+    first = inference.generate(model, tok, ids, greedy(6), engine="dynamic")
     engine = dynamic._Engines.engine
-    assert inference.generate(model, tok, ids[:2], 4, top_k=1, engine="dynamic") == [t[:4] for t in first[:2]]
+    assert inference.generate(model, tok, ids[:2], greedy(4), engine="dynamic") == [t[:4] for t in first[:2]]
     assert dynamic._Engines.engine is engine and not InferenceMode.is_active()
-    assert inference.generate(model, tok, ids, 12, top_k=1, engine="dynamic")[0][:6] == first[0]  # a new engine
+    assert inference.generate(model, tok, ids, greedy(12), engine="dynamic")[0][:6] == first[0]  # a new engine
     assert dynamic._Engines.engine is not engine
     megatron_logits(model, torch.tensor([ids[0]]), 1000)
     dynamic.release_engine()
@@ -492,7 +494,7 @@ def test_attention_the_dynamic_engine_lacks_runs_on_the_static_one(variant, why,
     FlashMLA. Asked for, it says so; the default engine generates these families on the static path,
     greedy = transformers' generate."""
     from megatron_patch.conversion.engine import hf_to_megatron, load_rank_state_dict, make_plan
-    from megatron_patch.inference import generate
+    from megatron_patch.inference import Sampling, generate
     from megatron_patch.models import build_model
     from megatron_patch.tokenizer import build_tokenizer
     from tests.models import case
@@ -502,9 +504,9 @@ def test_attention_the_dynamic_engine_lacks_runs_on_the_static_one(variant, why,
     load_rank_state_dict(model, hf_to_megatron(make_plan(c.cfg), c.sd.__getitem__, c.sd.keys())[(0, 0, 0)])
     tok = build_tokenizer(TINY_TOKENIZER)
     with pytest.raises(ValueError, match=f"does not support {why} .*: use the static one"):
-        generate(model, tok, [[5, 6]], 2, engine="dynamic")
+        generate(model, tok, [[5, 6]], Sampling(2), engine="dynamic")
     prompts = [[5, 6, 7], [9, 10, 11, 12, 13, 14]]
-    ours = generate(model, tok, prompts, 8, top_k=1)
+    ours = generate(model, tok, prompts, Sampling(8, top_k=1))
     for prompt, mine in zip(prompts, ours):
         with torch.no_grad():
             ref = c.ref.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,

@@ -40,7 +40,7 @@ def _adapted_model(cfg, sd, targets=("all-linear",), rank=RANK, alpha=ALPHA, mod
 
 
 def _logits(model, ids, vocab=1000):
-    from megatron_patch.conversion.verify import megatron_logits
+    from megatron_patch.runtime.logits import megatron_logits
 
     with torch.no_grad():
         return megatron_logits(model, ids, vocab)

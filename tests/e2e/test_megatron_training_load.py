@@ -6,8 +6,9 @@ import sys
 
 import pytest
 
-from megatron_patch.conversion.verify import compare, fixed_prompts, hf_logits, megatron_logits
+from megatron_patch.conversion.verify import compare, fixed_prompts, hf_logits
 from megatron_patch.models import build_model, load_hf_config
+from megatron_patch.runtime.logits import megatron_logits
 from tests.models import hf_model, llama_config, save_hf
 from toolkits.checkpoint_converter.__main__ import main
 

@@ -257,9 +257,9 @@ FAMILIES = {  # family -> its tiny config (tests/models.py); adding a family is 
 def test_workflow_sft_rm_ppo_export(cpu_megatron, family, tmp_path):
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    from megatron_patch.conversion.verify import megatron_logits
     from megatron_patch.inference import load_model
-    from megatron_patch.models import pipeline
+    from megatron_patch.runtime import pipeline
+    from megatron_patch.runtime.logits import megatron_logits
     from tests.models import any_config
 
     config, out = tmp_path / "config.json", tmp_path / "example"

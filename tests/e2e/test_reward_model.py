@@ -9,9 +9,9 @@ import torch
 
 from megatron_patch.conversion.engine import hf_to_megatron, load_rank_state_dict, make_plan
 from megatron_patch.conversion.hf_io import read_all
-from megatron_patch.conversion.verify import megatron_logits
 from megatron_patch.models import Layout, build_model, get_family
 from megatron_patch.models.reward import as_reward_config, scored_values
+from megatron_patch.runtime.logits import megatron_logits
 from tests.models import any_config
 from toolkits.checkpoint_converter.__main__ import main as convert
 

@@ -44,9 +44,9 @@ def _pairs(tok, path: str, seq: int) -> dict:
 def test_reward_model_learns_the_rule(tiny_lm, tmp_path):
     from transformers import AutoModelForSequenceClassification
 
-    from megatron_patch.conversion.verify import megatron_logits
     from megatron_patch.inference import load_model
     from megatron_patch.models.reward import scored_values
+    from megatron_patch.runtime.logits import megatron_logits
 
     train, held = tmp_path / "train.jsonl", tmp_path / "held.jsonl"
     train.write_text("".join(json.dumps(r) + "\n" for r in preferences(400, 0)))
@@ -130,7 +130,7 @@ def test_dpo_loss_matches_hand_computation():
 
 
 def _held_out_margins(policy, reference, batch, beta: float) -> tuple[float, float]:
-    from megatron_patch.conversion.verify import megatron_logits
+    from megatron_patch.runtime.logits import megatron_logits
 
     def logps(model):
         logits = megatron_logits(model, batch["tokens"], 1000).log_softmax(-1)

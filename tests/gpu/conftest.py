@@ -43,7 +43,7 @@ def trained_hf_folder(path: str, steps: int = 400, device: str = "cuda") -> tupl
 @pytest.fixture(scope="session")
 def trained(tmp_path_factory):
     """(HF folder, prompts, last training loss) of `trained_hf_folder`, once per session."""
-    from megatron_patch.models.parallel import ensure_model_parallel
+    from megatron_patch.runtime.parallel import ensure_model_parallel
 
     ensure_model_parallel(1, 1)
     return trained_hf_folder(str(tmp_path_factory.mktemp("trained") / "hf"))

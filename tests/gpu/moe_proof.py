@@ -38,9 +38,10 @@ def hf_init(cfg: dict):
 def grouped_vs_sequential(out: str) -> dict:
     from megatron_patch.conversion.engine import hf_to_megatron, load_rank_state_dict, make_plan
     from megatron_patch.conversion.hf_io import HFCheckpoint
-    from megatron_patch.conversion.verify import fixed_prompts, megatron_logits
+    from megatron_patch.conversion.verify import fixed_prompts
     from megatron_patch.models import Layout, build_model
-    from megatron_patch.models.parallel import ensure_model_parallel
+    from megatron_patch.runtime.logits import megatron_logits
+    from megatron_patch.runtime.parallel import ensure_model_parallel
     from tests.models import save_hf
 
     ensure_model_parallel(1, 1)

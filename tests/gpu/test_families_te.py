@@ -23,15 +23,16 @@ VARIANTS += MOE
 
 @pytest.fixture(scope="module")
 def world():
-    from megatron_patch.models.parallel import ensure_model_parallel
+    from megatron_patch.runtime.parallel import ensure_model_parallel
 
     ensure_model_parallel(1, 1)
 
 
 def _logits(c, impl, dtype, ids, exact=True):
     from megatron_patch.conversion.engine import hf_to_megatron, load_rank_state_dict, make_plan
-    from megatron_patch.conversion.verify import exact_routing, megatron_logits
+    from megatron_patch.conversion.verify import exact_routing
     from megatron_patch.models import Layout, build_model
+    from megatron_patch.runtime.logits import megatron_logits
 
     ranks = hf_to_megatron(make_plan(c.cfg, Layout(), impl), c.sd.__getitem__, c.sd.keys())
     model = build_model(c.cfg, impl=impl, dtype=dtype).eval()

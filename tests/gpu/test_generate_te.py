@@ -33,14 +33,14 @@ def compare_greedy(hf_dir: str, prompts: list[list[int]], dtype: torch.dtype, im
                    engine: str = "auto") -> dict:
     from transformers import AutoModelForCausalLM
 
-    from megatron_patch.inference import generate, load_model
+    from megatron_patch.inference import Sampling, generate, load_model
     from megatron_patch.tokenizer import build_tokenizer
 
     torch.backends.cuda.matmul.allow_tf32 = False  # HF in true fp32 (TE picks its own GEMM precision)
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).to(device).eval()
     model, _ = load_model(None, hf_dir, impl=impl, dtype=dtype)
-    ours = generate(model, build_tokenizer(hf_dir), prompts, STEPS, top_k=1, max_batch_size=len(prompts), stop_id=None,
-                    engine=engine)
+    ours = generate(model, build_tokenizer(hf_dir), prompts, Sampling(STEPS, top_k=1, stop_id=None),
+                    max_batch_size=len(prompts), engine=engine)
     rows = []
     for prompt, mine in zip(prompts, ours):
         ref, margins = hf_greedy(hf, prompt, device)

@@ -28,8 +28,9 @@ def _model(cfg, sd, impl, adapter):
 
 
 def test_te_lora_equals_local_lora(world):  # noqa: F811
-    from megatron_patch.conversion.verify import compare, fixed_prompts, megatron_logits
+    from megatron_patch.conversion.verify import compare, fixed_prompts
     from megatron_patch.lora.adapters import adapter_tensors
+    from megatron_patch.runtime.logits import megatron_logits
     from tests.models import hf_model, llama_config
 
     cfg = llama_config("gqa", **GPU_CFG)

@@ -276,9 +276,10 @@ def test_lora_sft_trains_only_the_adapters(trained, tmp_path):
 def test_hybrid_model_under_te_equals_gpt_model(trained, dtype):
     from megatron_patch.conversion.engine import hf_to_megatron, load_rank_state_dict, make_plan
     from megatron_patch.conversion.hf_io import read_all
-    from megatron_patch.conversion.verify import compare, fixed_prompts, megatron_logits
+    from megatron_patch.conversion.verify import compare, fixed_prompts
     from megatron_patch.models import Layout, build_model, load_hf_config
     from megatron_patch.models.hybrid import to_hybrid_names
+    from megatron_patch.runtime.logits import megatron_logits
 
     cfg = load_hf_config(trained[0])
     sd = read_all(trained[0])
@@ -307,7 +308,7 @@ def test_bridge_refreshes_the_dynamic_engine_in_place(trained):
     import time
 
     from megatron_patch import Bridge
-    from megatron_patch.inference import generate
+    from megatron_patch.inference import Sampling, generate
     from megatron_patch.models import load_hf_config
     from megatron_patch.tokenizer import build_tokenizer
 
@@ -320,7 +321,7 @@ def test_bridge_refreshes_the_dynamic_engine_in_place(trained):
     tok, prompts = build_tokenizer(hf_dir), prompts[:2]
 
     def greedy(model):
-        return generate(model, tok, prompts, 16, top_k=1, stop_id=None, engine="dynamic")
+        return generate(model, tok, prompts, Sampling(16, top_k=1, stop_id=None), engine="dynamic")
 
     # the padded vocabulary rows (past the HF vocabulary) are no HF weights: a load writes them as zeros, as a
     # conversion does. The source gets the same, so the whole state can be compared bit for bit

@@ -48,7 +48,7 @@ def run_proof(name: str, tmp_path, timeout: int) -> dict:
 
 @pytest.fixture(scope="module")
 def world():
-    from megatron_patch.models.parallel import ensure_model_parallel
+    from megatron_patch.runtime.parallel import ensure_model_parallel
 
     ensure_model_parallel(1, 1)
 
@@ -57,8 +57,9 @@ def world():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_te_spec_matches_hf_and_local(world, dtype):
     from megatron_patch.conversion.engine import hf_to_megatron, load_rank_state_dict, make_plan
-    from megatron_patch.conversion.verify import compare, fixed_prompts, megatron_logits
+    from megatron_patch.conversion.verify import compare, fixed_prompts
     from megatron_patch.models import Layout, build_model
+    from megatron_patch.runtime.logits import megatron_logits
     from tests.models import hf_model, llama_config
 
     cfg = llama_config("gqa", **GPU_CFG)
@@ -136,8 +137,9 @@ def test_converter_with_te_naming(world, tmp_path, capsys):
 def test_legacy_te_checkpoint_loads_strictly(world, tmp_path):
     """The legacy writer's `_extra_state` entries are exactly a TE model's (strict load_state_dict,
     as megatron.training does for --ckpt-format torch)."""
-    from megatron_patch.conversion.legacy import LEGACY_FILE, load_legacy_file
+    from megatron_patch.conversion.legacy import load_legacy_file
     from megatron_patch.models import build_model
+    from megatron_patch.names import LEGACY_FILE
     from tests.models import hf_model, llama_config, save_hf
     from toolkits.checkpoint_converter.__main__ import main
 

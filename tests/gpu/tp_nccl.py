@@ -22,8 +22,9 @@ def main(out_path: str) -> None:
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from megatron_patch.conversion.engine import hf_to_megatron, load_rank_state_dict, make_plan
-    from megatron_patch.conversion.verify import compare, fixed_prompts, megatron_logits
+    from megatron_patch.conversion.verify import compare, fixed_prompts
     from megatron_patch.models import Layout, build_model
+    from megatron_patch.runtime.logits import megatron_logits
     from tests.models import case
 
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))

@@ -22,9 +22,10 @@ import torch
 
 from megatron_patch import compat
 from megatron_patch.conversion.engine import hf_to_megatron, load_rank_state_dict, make_plan
-from megatron_patch.conversion.verify import fixed_prompts, megatron_logits
+from megatron_patch.conversion.verify import fixed_prompts
 from megatron_patch.models import Layout, build_model, get_family
 from megatron_patch.models.family import UnsupportedConfig
+from megatron_patch.runtime.logits import megatron_logits
 from tests.models import all_variants, case, save_case
 
 # (the refusal under 0.18 is tested by faking the version, so it runs under 0.19 too)

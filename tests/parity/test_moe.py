@@ -19,7 +19,8 @@ MOE = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3"]
 
 @pytest.mark.parametrize("variant", MOE[:3])
 def test_router_picks_the_same_experts_as_transformers(cpu_megatron, variant):
-    from megatron_patch.conversion.verify import fixed_prompts, megatron_logits
+    from megatron_patch.conversion.verify import fixed_prompts
+    from megatron_patch.runtime.logits import megatron_logits
 
     c = case(variant)
     model = build_model(c.cfg).eval()
@@ -56,7 +57,8 @@ def test_router_picks_the_same_experts_as_transformers(cpu_megatron, variant):
 def test_exact_routing_is_fp64_in_every_router_and_keeps_parity(cpu_megatron, variant):
     """`verify` routes MoE models in fp64 (megatron-core's fp32 router GEMM goes through TE's TF32 on a
     GPU); every router sees it, and the logits still equal transformers'."""
-    from megatron_patch.conversion.verify import compare, exact_routing, fixed_prompts, megatron_logits
+    from megatron_patch.conversion.verify import compare, exact_routing, fixed_prompts
+    from megatron_patch.runtime.logits import megatron_logits
 
     c = case(variant)
     model = build_model(c.cfg).eval()
@@ -197,7 +199,8 @@ def test_bad_expert_layouts():
 def test_deepseek_router_choices_and_mtp_layers(cpu_megatron):
     """DeepSeek's routers (V3: sigmoid + bias + groups; V2: softmax, greedy) pick HF's experts, and a
     checkpoint's multi-token-prediction layer is dropped by name, not silently ignored."""
-    from megatron_patch.conversion.verify import fixed_prompts, megatron_logits
+    from megatron_patch.conversion.verify import fixed_prompts
+    from megatron_patch.runtime.logits import megatron_logits
 
     for variant in ("deepseek_v3", "deepseek_v2"):
         c = case(variant)
@@ -276,13 +279,13 @@ def test_expert_tensor_parallel_other_than_tp():
 
 
 def _generate(rank: int, hf_dir: str, ep: int) -> list[list[int]]:
-    from megatron_patch.inference import generate, load_model
+    from megatron_patch.inference import Sampling, generate, load_model
     from megatron_patch.tokenizer import build_tokenizer
 
     tok = build_tokenizer(hf_dir)
     model, _ = load_model(None, hf_dir, ep=ep)
-    return generate(model, tok, [tok.tokenize("The module returns"), tok.tokenize("def f(x):")], 6, top_k=1,
-                    stop_id=None)
+    return generate(model, tok, [tok.tokenize("The module returns"), tok.tokenize("def f(x):")],
+                    Sampling(6, top_k=1, stop_id=None))
 
 
 def test_greedy_generation_at_expert_parallel_2_equals_transformers(tmp_path):

@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from megatron_patch.conversion.engine import hf_to_megatron, load_rank_state_dict, make_plan
-from megatron_patch.conversion.verify import fixed_prompts, megatron_logits
+from megatron_patch.conversion.verify import fixed_prompts
 from megatron_patch.models import Layout, build_model
+from megatron_patch.runtime.logits import megatron_logits
 from tests.models import all_variants, case
 
 

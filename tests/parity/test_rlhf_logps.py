@@ -25,8 +25,8 @@ def _inputs(c):
 def _ours(rank: int, variant: str, tp: int) -> torch.Tensor:
     from megatron_patch.conversion.engine import hf_to_megatron, load_rank_state_dict, make_plan
     from megatron_patch.models import Layout, build_model
-    from megatron_patch.models.parallel import current_rank
     from megatron_patch.rlhf.logprobs import token_logps
+    from megatron_patch.runtime.parallel import current_rank
 
     if tp > 1:
         _cpu.init_model_parallel(tp, 1)

@@ -13,7 +13,7 @@ from tests.models import case
 @pytest.mark.parametrize("variant", ["bloom", "glm4", "baichuan2_13b", "starcoder", "mistral_swa", "falcon_7b",
                                      "falcon_40b"])
 def test_few_steps_forward_backward(cpu_megatron, variant):
-    from megatron_patch.conversion.verify import causal_mask
+    from megatron_patch.runtime.logits import causal_mask
 
     c = case(variant)
     ranks = hf_to_megatron(make_plan(c.cfg, Layout()), c.sd.__getitem__, c.sd.keys())

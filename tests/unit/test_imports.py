@@ -63,3 +63,21 @@ def test_package_root_imports_nothing_at_load():
     (the public names, `Bridge` and `Layout`, are imported on first use by its `__getattr__`)."""
     tree = ast.parse(open(os.path.join(PACKAGE, "__init__.py"), encoding="utf-8").read())
     assert not [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+
+
+def test_the_moved_pipeline_module_keeps_its_old_name():
+    """docs/python-api.md's `megatron_patch.models.pipeline` moved to `megatron_patch.runtime.pipeline`: the old
+    name still gives the same functions, with a DeprecationWarning."""
+    import importlib
+    import sys
+    import warnings
+
+    from megatron_patch.runtime import pipeline
+
+    sys.modules.pop("megatron_patch.models.pipeline", None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        old = importlib.import_module("megatron_patch.models.pipeline")
+    assert any(issubclass(w.category, DeprecationWarning) and "runtime.pipeline" in str(w.message) for w in caught)
+    assert old.forward_backward is pipeline.forward_backward
+    assert old.share_embedding_grads is pipeline.share_embedding_grads

@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from megatron_patch.conversion.atomic import atomic_output_file, check_output_file
 from megatron_patch.jsonl import read_jsonl, read_jsonl_numbered
+from megatron_patch.outputs import atomic_output_file, check_output_file
 
 
 def test_rows_keep_their_line_numbers(tmp_path):

@@ -151,7 +151,7 @@ def test_paged_attention_in_torch_equals_dense_attention(window, sink):
     they must not leak."""
     from types import SimpleNamespace
 
-    from megatron_patch.patches import _paged_attention_in_torch
+    from megatron_patch.inference.paged_attention import flash_decode_and_prefill
 
     torch.manual_seed(0)
     h, hk, d, page, pages = 8, 2, 16, 4, 12
@@ -173,8 +173,8 @@ def test_paged_attention_in_torch_equals_dense_attention(window, sink):
     block_table = torch.tensor([t + [-1] * (3 - len(t)) for t in tables])
     q = torch.randn(sum(queries) + 2, 1, h, d)  # 2 padding tokens at the end
     cu_q = torch.tensor([0, 7, 10, 11])
-    out = _paged_attention_in_torch(layer, q, k_cache, v_cache, 7, 9, cu_q, None, torch.tensor(lengths), block_table,
-                                    False, sink_logits)
+    out = flash_decode_and_prefill(layer, q, k_cache, v_cache, 7, 9, cu_q, None, torch.tensor(lengths), block_table,
+                                   False, sink_logits)
     for r in range(3):
         want = _dense_attention(q[cu_q[r]: cu_q[r + 1], 0], full_k[r], full_v[r], d ** -0.5, window, sink_logits)
         assert (out[cu_q[r]: cu_q[r + 1], 0].double() - want).abs().max() < 1e-6
@@ -182,8 +182,8 @@ def test_paged_attention_in_torch_equals_dense_attention(window, sink):
     # decode only: one new token per request, plus a padding row (no pages, length 0)
     q = torch.randn(4, 1, h, d)
     table = torch.cat([block_table, torch.full((1, 3), -1)])
-    out = _paged_attention_in_torch(layer, q, k_cache, v_cache, 1, 9, None, None, torch.tensor(lengths + [0]),
-                                    table, True, sink_logits)
+    out = flash_decode_and_prefill(layer, q, k_cache, v_cache, 1, 9, None, None, torch.tensor(lengths + [0]),
+                                   table, True, sink_logits)
     for r in range(3):
         want = _dense_attention(q[r: r + 1, 0], full_k[r], full_v[r], d ** -0.5, window, sink_logits)
         assert (out[r, 0].double() - want[0]).abs().max() < 1e-6
@@ -193,12 +193,14 @@ def test_paged_attention_in_torch_equals_dense_attention(window, sink):
 def test_paged_attention_in_torch_applies_without_flash_attn():
     from megatron.core.transformer import attention
 
+    from megatron_patch.inference import paged_attention
+
     if attention.HAVE_FA3 or attention.HAVE_FA4 or attention.flash_attn_varlen_func is not None:
         pytest.skip("flash-attn is installed: tested with a stand-in below")
     original = attention.Attention.flash_decode_and_prefill
     with patches.applied("paged_attention_in_torch") as active:
         assert active and patches.apply("paged_attention_in_torch")
-        assert attention.Attention.flash_decode_and_prefill is patches._paged_attention_in_torch
+        assert attention.Attention.flash_decode_and_prefill is paged_attention.flash_decode_and_prefill
         assert attention.is_fa_min_version("2.7.3")
         assert patches.attends_in_torch(torch.bfloat16) and patches.attends_in_torch(torch.float32)
     assert attention.Attention.flash_decode_and_prefill is original
@@ -210,6 +212,8 @@ def test_with_flash_attn_only_fp32_attends_in_torch(monkeypatch):
     method and fp32 ones, which no flash kernel takes (FA4: "inputs must be float16, bfloat16, fp8"), the torch
     implementation; megatron's version check is left alone."""
     from megatron.core.transformer import attention
+
+    from megatron_patch.inference import paged_attention
 
     calls = []
 
@@ -223,7 +227,7 @@ def test_with_flash_attn_only_fp32_attends_in_torch(monkeypatch):
 
     monkeypatch.setattr(attention, "HAVE_FA4", True)
     monkeypatch.setattr(attention.Attention, "flash_decode_and_prefill", flash)
-    monkeypatch.setattr(patches, "_paged_attention_in_torch", in_torch)
+    monkeypatch.setattr(paged_attention, "flash_decode_and_prefill", in_torch)
     version_check = attention.is_fa_min_version
     with patches.applied("paged_attention_in_torch") as active:
         assert active and attention.is_fa_min_version is version_check

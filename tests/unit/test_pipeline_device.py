@@ -6,7 +6,7 @@ import torch
 
 
 def test_pp1_result_lands_on_the_asked_device(cpu_megatron):
-    from megatron_patch.models import pipeline
+    from megatron_patch.runtime import pipeline
 
     t = torch.arange(6.0).reshape(2, 3)
     assert pipeline.from_last_stage(t, (2, 3), device="meta").device.type == "meta"
@@ -15,7 +15,8 @@ def test_pp1_result_lands_on_the_asked_device(cpu_megatron):
 
 
 def test_forward_everywhere_returns_on_the_callers_device(cpu_megatron):
-    from megatron_patch.models import build_model, pipeline
+    from megatron_patch.models import build_model
+    from megatron_patch.runtime import pipeline
     from tests.models import llama_config
 
     cfg = llama_config("gqa")

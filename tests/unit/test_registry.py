@@ -25,7 +25,7 @@ def test_register_plugin(monkeypatch):
     from megatron_patch.models import registry
 
     monkeypatch.setattr(registry, "_FAMILIES", dict(registry._FAMILIES))  # the alias does not outlive the test
-    register("llama_alias", "megatron_patch.models.llama", ("MyLlamaForCausalLM",))
+    register("llama_alias", "megatron_patch.models.families.llama", ("MyLlamaForCausalLM",))
     assert get_family({"architectures": ["MyLlamaForCausalLM"]}).name == "llama"
 
 

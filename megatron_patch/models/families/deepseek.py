@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_patch.models.dense import ArchConfig, DenseNames, UnsupportedConfig
+from megatron_patch.models.families.moe import ExpertNames, MoEDecoder
 from megatron_patch.models.mappings import (
     ColumnParallel,
     Drop,
@@ -27,7 +28,6 @@ from megatron_patch.models.mappings import (
     Replicated,
     on_layers,
 )
-from megatron_patch.models.moe import ExpertNames, MoEDecoder
 
 
 class DeepSeek(MoEDecoder):

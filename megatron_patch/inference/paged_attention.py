@@ -1,0 +1,79 @@
+"""megatron-core's paged attention in torch: `flash_decode_and_prefill`, the method of the same name of
+`megatron.core.transformer.attention.Attention` (the dynamic inference engine's attention over its paged KV
+cache, which megatron-core runs with flash-attn's GPU-only kernels), written with torch operations. The
+`paged_attention_in_torch` patch (`megatron_patch/patches.py`) puts it in place where no flash-attn kernel runs:
+every CPU, a GPU without flash-attn, fp32 models."""
+
+from __future__ import annotations
+
+import torch
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, kv_len: torch.Tensor,
+            scale: float, window: tuple[int, int] | None, sink: torch.Tensor | None) -> torch.Tensor:
+    """Causal attention of queries [n, s, h, d] at positions `q_pos` [n, s] over keys / values
+    [n, L, hk, d] of which the first `kv_len` [n] are real: key j is seen by a query at position i when
+    j <= i, j < kv_len and, with a sliding `window` (left, right), j >= i - left. Grouped queries: head
+    g * (h / hk) + r reads KV head g (megatron-core's layout), without copying K and V per head.
+    softmax(q k^T * scale) v with the softmax in fp32 (products in the inputs' dtype, as flash-attn);
+    a per-head `sink` logit [h] joins each softmax's denominator (megatron-core's off-by-one / learnable
+    softmax). Keys past `kv_len` may be any bits (unwritten cache): they are masked and their values
+    zeroed. A query that sees nothing gets 0."""
+    n, s, h, d = q.shape
+    hk = k.shape[2]
+    k_pos = torch.arange(k.shape[1], device=q.device)
+    real = k_pos[None, :] < kv_len[:, None]  # [n, L]
+    seen = (k_pos[None, None, :] <= q_pos[:, :, None]) & real[:, None, :]  # [n, s, L]
+    if window is not None and window[0] >= 0:
+        seen &= k_pos[None, None, :] >= q_pos[:, :, None] - window[0]
+    groups = q.reshape(n, s, hk, h // hk, d)
+    scores = torch.einsum("nskgd,nlkd->nkgsl", groups, k).float() * scale
+    scores = scores.masked_fill(~seen[:, None, None], float("-inf"))
+    if sink is not None:
+        logits = sink.float().view(hk, h // hk)[None, :, :, None, None].expand(n, hk, h // hk, s, 1)
+        scores = torch.cat([scores, logits], dim=-1)
+    probs = torch.softmax(scores, dim=-1)
+    if sink is not None:
+        probs = probs[..., :-1]
+    probs = torch.nan_to_num(probs, nan=0.0).to(v.dtype)  # (rows that see no key: padding)
+    values = v.masked_fill(~real[:, :, None, None], 0.0)
+    return torch.einsum("nkgsl,nlkd->nskgd", probs, values).reshape(n, s, h, d)
+
+
+def flash_decode_and_prefill(self, q, k, v, max_seqlen_q, max_seqlen_k, cu_seqlens_q, cu_seqlens_k, seqlens_k,
+                             block_table, is_decode_only, softmax_offset=None):
+    """`Attention.flash_decode_and_prefill` of megatron-core 0.18.2 / 0.19 (same arguments and result; 0.18.2
+    passes no `softmax_offset`) in torch:
+    queries q [tokens, 1, heads, dim] of the active requests, laid out request after request
+    (`cu_seqlens_q`), over the paged KV cache k / v [blocks, block_size, kv heads, dim] through
+    `block_table` [requests, blocks per request]; `seqlens_k` [requests]: each request's cached length,
+    its new tokens included (they are its last `query length` positions). Decode-only steps (one query
+    per request, or several with speculative tokens) run as one batched gather with fixed shapes (no
+    host synchronisation: CUDA-graph capturable); other steps attend request by request."""
+    from megatron.core.transformer.utils import is_layer_window_attention
+
+    window = (self.config.window_size if is_layer_window_attention(
+        self.config.window_size, self.config.window_attn_skip_freq, self.layer_number) else None)
+    scale = getattr(self, "softmax_scale", None) or q.shape[-1] ** -0.5
+    if is_decode_only:
+        n = seqlens_k.shape[0]
+        s = q.shape[0] // n
+        keys, values = k[block_table].flatten(1, 2), v[block_table].flatten(1, 2)  # [n, blocks * size, hk, d]
+        q_pos = seqlens_k[:, None] - s + torch.arange(s, device=q.device)[None, :]
+        out = attend(q.reshape(n, s, *q.shape[2:]), keys, values, q_pos, seqlens_k, scale, window, softmax_offset)
+        return out.reshape(n * s, 1, *out.shape[2:])
+    q = q.squeeze(1)
+    out = torch.zeros_like(q)  # padding tokens past the last request stay 0
+    starts, lengths = cu_seqlens_q.tolist(), seqlens_k.tolist()
+    block_size = k.shape[1]
+    for r, kv_len in enumerate(lengths):
+        first, last = starts[r], starts[r + 1]
+        if last == first:
+            continue
+        blocks = block_table[r, : -(-kv_len // block_size)]
+        keys = k[blocks].flatten(0, 1)[None, :kv_len]
+        values = v[blocks].flatten(0, 1)[None, :kv_len]
+        q_pos = (kv_len - (last - first) + torch.arange(last - first, device=q.device))[None]
+        out[first:last] = attend(q[None, first:last], keys, values, q_pos, seqlens_k[r: r + 1], scale, window,
+                                  softmax_offset)[0]
+    return out.unsqueeze(1)
