@@ -43,10 +43,6 @@ class Sampling:
             raise ValueError(f"temperature must be > 0 for sampling (got {self.temperature}); greedy decoding is "
                              "top_k=1")
 
-    @property
-    def greedy(self) -> bool:
-        return self.top_k == 1
-
     def megatron_params(self):
         """megatron-core's `SamplingParams` for these settings (both engines)."""
         from megatron.core.inference.sampling_params import SamplingParams
