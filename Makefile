@@ -31,10 +31,17 @@ $(STAMP): setup.py Makefile
 
 venv-oldest: $(OLD_STAMP)
 
-$(OLD_STAMP): setup.py Makefile
+# Layered on .venv: a .pth file puts .venv's site-packages after its own, so torch (several GB, a CUDA build from
+# PyPI) and everything else the two releases share are installed once; pip installs here only what differs
+# (megatron-core $(MCORE_OLDEST) and any dependency it pins otherwise), and that shadows .venv's copy. Two full
+# environments did not fit a CI machine's disk (pip: "No space left on device").
+$(OLD_STAMP): setup.py Makefile $(STAMP)
 	test -x $(OLD_PY) || $(PYTHON312) -m venv $(OLD_VENV)
+	echo "import site; site.addsitedir('$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')')" \
+		> "$$($(OLD_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz_layer_on_venv.pth"
 	$(OLD_PY) -m pip install -q --upgrade pip
 	$(OLD_PY) -m pip install -q -e '.[test]' 'megatron-core==$(MCORE_OLDEST)'
+	$(OLD_PY) -c 'import megatron.core as m, sys; v = m.__version__; sys.exit(0 if v == "$(MCORE_OLDEST)" else f"error: .venv-oldest imports megatron-core {v}, not $(MCORE_OLDEST)")'
 	touch $(OLD_STAMP)
 
 demo: $(STAMP)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import os
-import tempfile
+import shutil
 
 import pytest
 import torch
@@ -96,9 +96,23 @@ def _one_step(bridge, model) -> dict:
     return {"loss": metrics["loss"], "weights": dict(bridge.export_hf_weights(model))}
 
 
+_ROOT: list[str] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _root(tmp_path_factory):
+    """The cached worlds below write under pytest's temporary folder and are removed after this module (a bare
+    mkdtemp left 50 MB in /tmp per run)."""
+    _ROOT[:] = [str(tmp_path_factory.mktemp("live-weights"))]
+    yield
+    _world.cache_clear()
+    _lora_world.cache_clear()
+    shutil.rmtree(_ROOT.pop(), ignore_errors=True)
+
+
 @functools.cache
 def _world() -> tuple[str, list]:
-    root = tempfile.mkdtemp(prefix="live-weights-")
+    root = _ROOT[0]
     for variant in VARIANTS:
         save_case(case(variant), os.path.join(root, variant))
     return root, _cpu.run_world(4, _checks, root)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 import os
-import tempfile
+import shutil
 
 import pytest
 import torch
@@ -18,9 +18,21 @@ from tests.models import case, save_case
 LAYOUTS = [(2, 1, 1, None), (4, 1, 1, None), (2, 2, 1, None), (1, 1, 2, None), (2, 1, 2, None), (2, 1, 2, 1)]
 
 
+_ROOT: list[str] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _root(tmp_path_factory):
+    """The cached checkpoints below live under pytest's temporary folder and are removed after this module."""
+    _ROOT[:] = [str(tmp_path_factory.mktemp("sliced"))]
+    yield
+    _folders.cache_clear()
+    shutil.rmtree(_ROOT.pop(), ignore_errors=True)
+
+
 @functools.cache
 def _folders() -> dict[str, str]:
-    root = tempfile.mkdtemp(prefix="sliced-")
+    root = _ROOT[0]
     return {v: save_case(case(v), os.path.join(root, v)) for v in VARIANTS}
 
 
