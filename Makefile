@@ -41,7 +41,7 @@ $(OLD_STAMP): setup.py Makefile $(STAMP)
 		> "$$($(OLD_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz_layer_on_venv.pth"
 	$(OLD_PY) -m pip install -q --upgrade pip
 	$(OLD_PY) -m pip install -q -e '.[test]' 'megatron-core==$(MCORE_OLDEST)'
-	$(OLD_PY) -c 'import megatron.core as m, sys; v = m.__version__; sys.exit(0 if v == "$(MCORE_OLDEST)" else f"error: .venv-oldest imports megatron-core {v}, not $(MCORE_OLDEST)")'
+	$(OLD_PY) -c 'import importlib.metadata as m, sys; v = m.version("megatron-core"); sys.exit(0 if v == "$(MCORE_OLDEST)" else f"error: .venv-oldest finds megatron-core {v}, not $(MCORE_OLDEST)")'
 	touch $(OLD_STAMP)
 
 demo: $(STAMP)

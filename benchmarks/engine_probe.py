@@ -89,9 +89,10 @@ def agreement(out: list[list[int]], other: list[list[int]]) -> dict:
 
 def set_sched(sched: str) -> None:
     """megatron-core's step scheduling for the engines built from now on (--sched)."""
+    from megatron_patch import compat
     from megatron_patch.inference import dynamic
 
-    if sched == "async" and not dynamic.async_scheduling_available():
+    if sched == "async" and not compat.async_scheduling_available():
         raise ValueError("--sched async: this megatron-core has no asynchronous scheduling (0.19 on)")
     dynamic.ASYNC_SCHEDULING = sched == "async"
 

@@ -127,16 +127,13 @@ def check(shape: str, par: Parallel, gpus: int, global_batch: int | None = None,
     replica = par.tp * par.pp * par.cp
     if gpus % replica:
         problems.append(f"TP x PP x CP = {replica} does not divide {gpus} GPUs")
-    try:
-        Layout(tp=par.tp, pp=par.pp, ep=par.ep).check(layers, s["num_attention_heads"], s["num_key_value_heads"])
+    try:  # the library's one layout check: heads, query groups, layers, PP x VPP, experts
+        Layout(tp=par.tp, pp=par.pp, ep=par.ep, cp=par.cp, vpp=par.vp if par.vp > 1 else None).check(
+            layers, s["num_attention_heads"], s["num_key_value_heads"], experts)
     except ValueError as e:
         problems.append(str(e))
-    if par.vp > 1 and (par.pp == 1 or layers % (par.pp * par.vp)):
-        problems.append(f"VP={par.vp} needs PP > 1 and PP x VP dividing the {layers} layers")
     if par.cp > 1 and s["seq"] % (2 * par.cp):
         problems.append(f"CP={par.cp} needs the sequence ({s['seq']}) in 2 x CP equal chunks")
-    if par.ep > 1 and (not experts or experts % par.ep):
-        problems.append(f"EP={par.ep} does not divide the {experts} experts")
     if par.ep > 1 and (gpus // (par.pp * par.tp)) % par.ep:
         problems.append(f"EP={par.ep} does not divide the {gpus // (par.pp * par.tp)} ranks of a pipeline stage")
     if problems:

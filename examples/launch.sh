@@ -14,9 +14,11 @@
 # length, precision and GPU settings of one released model (examples/<family>/README.md lists them); the last
 # part of its HF_ID is the default --model folder. An option given here wins over the recipe, the recipe over
 # the defaults; a recipe's KEY applies to every task, PRETRAIN_KEY / SFT_KEY / RM_KEY / DPO_KEY to that one, but
-# its LR is pretraining's: the other tasks need their own (SFT_LR, RM_LR, DPO_LR) or --lr.
+# its LR is pretraining's: the other tasks need their own (SFT_LR, RM_LR, DPO_LR) or --lr. These rules are
+# megatron_patch/recipes.py's (`python -m megatron_patch.recipes --recipe FAMILY/MODEL --task SFT` prints a task's
+# values), which this script asks for the values of its options.
 # --model: an HF folder (config.json, tokenizer; with --from-hf also the weights to start from).
-# --data: pretrain: an indexed-dataset prefix (toolkits.preprocess_data); sft: JSONL conversations;
+# --data: pretrain: an indexed-dataset prefix (megatron-patch preprocess-data); sft: JSONL conversations;
 # rlhf.reward_model / rlhf.dpo: JSONL preference rows {"prompt", "chosen", "rejected"}.
 # --tp/--pp/--cp/--ep/--etp: tensor, pipeline, context, expert and expert-tensor parallel sizes; --vpp: virtual
 # pipeline stages per pipeline rank (not with --from-hf).
@@ -34,7 +36,8 @@
 # the lr / 10, cosine) --iters 1000 --out checkpoints/run (saved at the end and every 1000 iterations; resumed from).
 # Environment: NPROC_PER_NODE (default: GPUs visible, else 1), NNODES (1), NODE_RANK (0), MASTER_ADDR
 # (localhost), MASTER_PORT (6000; on one node with neither set, torchrun --standalone picks a free port); PYTHON
-# (python: the interpreter that runs torchrun, as megatron_patch.torchrun).
+# (python: the interpreter that works out the values, python -m megatron_patch.recipes, even with --dry-run, and
+# runs torchrun, as megatron_patch.torchrun).
 # The entry point's own options and every Megatron-LM argument: python -m megatron_patch.<entry> --help.
 set -euo pipefail
 # shellcheck source=common.sh
@@ -45,7 +48,7 @@ TP="" PP="" VPP="" CP="" EP="" ETP="" PRECISION="" PROFILE="" SEQ="" MBS="" GBS=
 OUT=checkpoints/run
 while [[ $# -gt 0 ]]; do
   case "$1" in
-    --recipe) load_recipe "$2"; shift 2 ;;
+    --recipe) use_recipe "$2"; shift 2 ;;
     --model) MODEL=$2; shift 2 ;;
     --data) DATA=$2; shift 2 ;;
     --tokenizer) TOKENIZER=$2; shift 2 ;;
@@ -81,26 +84,15 @@ case "$ENTRY" in
   pretrain) TASK=PRETRAIN ;; sft) TASK=SFT ;; rlhf.reward_model) TASK=RM ;; rlhf.dpo) TASK=DPO ;;
   *) TASK=${ENTRY^^} TASK=${TASK//./_} ;;
 esac
-[[ -z "$LORA" || -n "$LR" ]] || LR=1e-4  # adapters learn at a higher rate than full fine-tuning
-if [[ -n "$RECIPE" ]]; then
-  [[ "$TASK" == PRETRAIN || -n "$LR" || -n "${R[${TASK}_LR]:-}" ]] \
-    || die "recipe $RECIPE sets no ${TASK}_LR (its LR is for pretraining): pass --lr"
-  MODEL=${MODEL:-$RECIPE_MODEL}
-fi
-recipe() { echo "${R[${TASK}_$1]:-${R[$1]:-$2}}"; }  # this task's value, else the recipe's, else the default
-if [[ "$CPU" == 1 ]]; then  # a tiny model on the CPU's processes; local attention has no context parallelism
-  LEFT=""
-  [[ -n "$VPP" || "$(recipe VPP 1)" == 1 ]] || { LEFT+=", virtual pipeline (VPP $(recipe VPP 1))"; VPP=1; }
-  [[ -n "$CP" || "$(recipe CP 1)" == 1 ]] || { LEFT+=", context parallelism (CP $(recipe CP 1))"; CP=1; }
-  [[ -z "$LEFT" ]] || echo "note: --cpu leaves out what a CPU run cannot use: recipe $RECIPE's ${LEFT#, }" >&2
-fi
-[[ -n "$LR" || -n "${R[${TASK}_LR]:-}" ]] || MIN_LR=${MIN_LR:-${R[MIN_LR]:-}}  # MIN_LR goes with the LR
-TP=${TP:-$(recipe TP 1)} PP=${PP:-$(recipe PP 1)} VPP=${VPP:-$(recipe VPP 1)} CP=${CP:-$(recipe CP 1)}
-EP=${EP:-$(recipe EP 1)} ETP=${ETP:-$(recipe ETP "")} SEQ=${SEQ:-$(recipe SEQ 4096)} MBS=${MBS:-$(recipe MBS 1)}
-GBS=${GBS:-$(recipe GBS 32)} LR=${LR:-$(recipe LR 3e-4)} PROFILE=${PROFILE:-$(recipe PROFILE default)}
+# this task's values: the option given, else the recipe's (its TASK_KEY, else its KEY), else the default; the LR
+# rules, --lora's LR and what --cpu leaves out (saying so): megatron_patch/recipes.py
+ASK=(--task="$TASK")
+[[ "$CPU" == 0 ]] || ASK+=(--cpu)
+[[ -z "$LORA" ]] || ASK+=(--lora)
+recipe_values "${ASK[@]}" TP="$TP" PP="$PP" VPP="$VPP" CP="$CP" EP="$EP" ETP="$ETP" SEQ="$SEQ" MBS="$MBS" GBS="$GBS" \
+  LR="$LR" MIN_LR="$MIN_LR" PRECISION="$PRECISION" PROFILE="$PROFILE" MODEL="$MODEL" GPU_ARGS GPUS
 [[ " default benchmark none " == *" $PROFILE "* ]] \
   || die "--profile takes default, benchmark or none, got '$PROFILE' (Megatron's own --profile goes after --)"
-MIN_LR=${MIN_LR:-${R[${TASK}_MIN_LR]:-$(awk "BEGIN { printf \"%g\", $LR / 10 }")}}
 
 [[ -n "$MODEL" ]] || die "--model HF_DIR is required (config.json of the model to train), or a --recipe with HF_ID"
 EVAL_ARGS=()
@@ -111,7 +103,7 @@ elif [[ "$ENTRY" == rlhf.* ]]; then
   [[ -n "$DATA" ]] || die "--data FILE.jsonl is required (preference JSONL)"
   DATA_ARGS=(--pref-data "$DATA")
 else
-  [[ -n "$DATA" ]] || die "--data PREFIX is required (python -m toolkits.preprocess_data makes it)"
+  [[ -n "$DATA" ]] || die "--data PREFIX is required (megatron-patch preprocess-data makes it)"
   DATA_ARGS=(--data-path "$DATA")
   [[ -z "$SPLIT" ]] || DATA_ARGS+=(--split "$SPLIT")
   IFS=, read -r _ VALID_SHARE _ <<< "${SPLIT:-99,1,0}"
@@ -120,10 +112,10 @@ fi
 TOKENIZER=${TOKENIZER:-$MODEL}
 
 if [[ "$CPU" == 1 ]]; then
-  NPROC_PER_NODE=${NPROC_PER_NODE:-1} PRECISION=${PRECISION:-fp32} DEVICE_ARGS=(--cpu)
+  NPROC_PER_NODE=${NPROC_PER_NODE:-1} DEVICE_ARGS=(--cpu)
 else
-  PRECISION=${PRECISION:-$(recipe PRECISION bf16)} DEVICE_ARGS=(--use-distributed-optimizer)
-  read -ra GPU_ARGS <<< "$(recipe GPU_ARGS "")"
+  DEVICE_ARGS=(--use-distributed-optimizer)
+  read -ra GPU_ARGS <<< "$GPU_ARGS"
   DEVICE_ARGS+=("${GPU_ARGS[@]}")
 fi
 LORA_ARGS=()
@@ -139,7 +131,7 @@ if [[ -z "${NPROC_PER_NODE:-}" ]]; then
 fi
 WORLD=$((NPROC_PER_NODE * ${NNODES:-1}))
 (( WORLD % (TP * PP * CP) == 0 )) || die "TP x PP x CP = $((TP * PP * CP)) does not divide the $WORLD processes" \
-  "(NNODES=${NNODES:-1} x NPROC_PER_NODE=$NPROC_PER_NODE)${R[GPUS]:+; recipe $RECIPE is laid out for ${R[GPUS]} GPUs}"
+  "(NNODES=${NNODES:-1} x NPROC_PER_NODE=$NPROC_PER_NODE)${GPUS:+; recipe $RECIPE is laid out for $GPUS GPUs}"
 
 LAYOUT_ARGS=(--tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" --context-parallel-size "$CP"
              --expert-model-parallel-size "$EP")

@@ -63,9 +63,8 @@ class Bridge:
         `layout`, with freshly initialised weights (`load_hf_weights` fills them)."""
         from megatron_patch.models.build import build_model
 
-        return build_model(self.hf_config, layout.tp, layout.pp, impl=impl, dtype=dtype,
-                           make_vocab_size_divisible_by=layout.make_vocab_size_divisible_by, ep=layout.ep,
-                           etp=layout.etp, family=self.family, model_class=model_class, **overrides)
+        return build_model(self.hf_config, layout=layout, impl=impl, dtype=dtype, family=self.family,
+                           model_class=model_class, **overrides)
 
     def model_provider(self, *, impl: Impl = "local", dtype: torch.dtype = torch.float32,
                        model_class: str = "gpt", **overrides) -> Callable[..., Any]:

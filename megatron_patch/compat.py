@@ -40,6 +40,16 @@ def require_hybrid_model() -> None:
                                  f"{megatron_core_version()}); build the GPTModel instead (--model-class gpt)")
 
 
+def async_scheduling_available() -> bool:
+    """The dynamic inference engine's asynchronous step scheduling (`InferenceConfig.async_sched_mode`) is new
+    in megatron-core 0.19; 0.18's engine schedules each step after the last one resolved."""
+    import dataclasses
+
+    from megatron.core.inference.config import InferenceConfig
+
+    return any(f.name == "async_sched_mode" for f in dataclasses.fields(InferenceConfig))
+
+
 class UnsupportedVersion(RuntimeError):
     """The installed megatron-core lacks what was asked for."""
 

@@ -52,7 +52,7 @@ def conversations(n: int, seed: int = 0) -> list[dict]:
 
 def corpus_dataset(root: str, documents: int = 400) -> str:
     """The first `documents` documents of the bundled corpus as a Megatron indexed dataset; its prefix."""
-    from toolkits.preprocess_data import preprocess
+    from megatron_patch.preprocess_data import preprocess
 
     with gzip.open(CORPUS, "rt") as f, open(os.path.join(root, "docs.jsonl"), "w") as out:
         for _, line in zip(range(documents), f):

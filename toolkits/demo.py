@@ -25,8 +25,11 @@ from megatron_patch.testing import TINY_LLAMA, random_hf_model
 
 
 def _cli(*args: str) -> dict:
-    cmd = [sys.executable, "-m", "toolkits.checkpoint_converter", *args]
-    print("$ python", " ".join(cmd[1:]), flush=True)  # as a user types it (with the venv active)
+    # the console script beside this interpreter (pip install puts it there), else the same as a module
+    script = os.path.join(os.path.dirname(sys.executable), "megatron-patch")
+    cmd = [script] if os.access(script, os.X_OK) else [sys.executable, "-m", "megatron_patch"]
+    cmd += ["convert", *args]
+    print("$ megatron-patch convert", " ".join(args), flush=True)  # as a user types it (with the venv active)
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"demo failed: {' '.join(args[:1])} exited {proc.returncode}")

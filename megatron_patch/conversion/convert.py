@@ -1,4 +1,4 @@
-"""Whole-checkpoint conversions behind `python -m toolkits.checkpoint_converter`.
+"""Whole-checkpoint conversions behind `megatron-patch convert`.
 
 Every conversion writes into a temporary folder beside `out` and renames it into place at the end;
 each shows a progress bar per phase and returns a summary (tensors, bytes, seconds, GB/s, peak RSS).

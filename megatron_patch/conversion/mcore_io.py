@@ -35,6 +35,7 @@ import torch
 from megatron_patch.conversion.engine import ConversionError, Plan, make_plan
 from megatron_patch.models.build import build_model
 from megatron_patch.models.family import Layout
+from megatron_patch.models.megatron_args import megatron_lm_args
 from megatron_patch.names import MANIFEST, RANK_DIR, RELEASE, TORCH_DIST_METADATA, TRACKER, step_folder
 from megatron_patch.runtime.parallel import ensure_model_parallel
 
@@ -47,22 +48,11 @@ def flat_plan(plan: Plan, impl: str = "local") -> Plan:
 
 
 def checkpoint_args(plan: Plan, fmt: str) -> Namespace:
-    """The `args` megatron.training stores and checks on `--load` (check_checkpoint_args): model
-    shape, layout and vocab padding, in Megatron-LM's argument names."""
-    arch = {k: v for k, v in plan.family.config_kwargs(plan.hf_config).items()
-            if isinstance(v, (bool, int, float, str))}
-    gpt = plan.family.gpt_kwargs(plan.hf_config)
-    position = gpt.get("position_embedding_type", "learned_absolute")
-    arch["num_query_groups"] = plan.shapes.num_query_groups
-    return Namespace(
-        **arch,
-        group_query_attention=plan.shapes.num_query_groups != plan.shapes.num_heads,
-        position_embedding_type=position,
-        # Megatron-LM's legacy flag: its argument check refuses it off unless the type is rope (ALiBi's "none"
-        # included); the model's embedding follows position_embedding_type
-        add_position_embedding=position != "rope",
-        untie_embeddings_and_output_weights=not gpt.get("share_embeddings_and_output_weights", False),
-        max_position_embeddings=plan.family.max_sequence_length(plan.hf_config),
+    """The `args` megatron.training stores, checks on `--load` (check_checkpoint_args) and reads back with
+    `--use-checkpoint-args`: the model in Megatron-LM's argument names (`megatron_lm_args`, the map training
+    uses too), the layout and the vocab padding."""
+    args = megatron_lm_args(plan.hf_config, plan.family, plan.shapes.num_query_groups)
+    args.update(
         tensor_model_parallel_size=plan.layout.tp,
         pipeline_model_parallel_size=plan.layout.pp,
         expert_model_parallel_size=plan.layout.ep,
@@ -72,6 +62,7 @@ def checkpoint_args(plan: Plan, fmt: str) -> Namespace:
         transformer_impl=plan.impl,
         ckpt_format="torch" if fmt == "legacy" else fmt,
     )
+    return Namespace(**args)
 
 
 def write_tracker(out_dir: str) -> None:
@@ -109,7 +100,7 @@ def meta_template(plan: Plan, dtype: torch.dtype) -> dict:
     ensure_model_parallel(1, 1)
     with torch.device("meta"):
         model = build_model(
-            plan.hf_config, 1, 1, impl="local", dtype=dtype, family=plan.family,
+            plan.hf_config, impl="local", dtype=dtype, family=plan.family,
             padded_vocab_size=plan.shapes.padded_vocab_size, perform_initialization=False,
             num_query_groups=plan.shapes.num_query_groups,
             use_cpu_initialization=True,  # stay on the meta device even when a GPU is present

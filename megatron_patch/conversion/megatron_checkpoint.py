@@ -184,8 +184,8 @@ def load_megatron_model(ckpt_dir: str, *, layout: Layout = Layout(), impl: str |
     hybrid = ckpt.format == "torch_dist" and is_hybrid_checkpoint(ckpt.step_dir)
     groups = ({"num_query_groups": ckpt.num_query_groups}
               if ckpt.format == "torch_dist" and not hybrid and ckpt.num_query_groups is not None else {})
-    model = build_model(ckpt.hf_config, tp, pp, impl=impl, dtype=dtype,
-                        padded_vocab_size=ckpt.padded_vocab_size, perform_initialization=False, ep=ep, **groups)
+    model = build_model(ckpt.hf_config, layout=Layout(tp, pp, ep=ep), impl=impl, dtype=dtype,
+                        padded_vocab_size=ckpt.padded_vocab_size, perform_initialization=False, **groups)
     if ckpt.format == "torch_dist" and not hybrid:
         # both implementations key their tensors alike; a Transformer Engine model also asks for the
         # `_extra_state` objects of norms it keeps apart, which a checkpoint converted for `local` may lack
@@ -195,7 +195,7 @@ def load_megatron_model(ckpt_dir: str, *, layout: Layout = Layout(), impl: str |
             if impl == ckpt.impl:
                 raise
             raise ValueError(f"{ckpt_dir} was converted for the {ckpt.impl} implementation and does not load as "
-                             f"{impl} ({type(e).__name__}); convert it: toolkits.checkpoint_converter mcore-to-mcore "
+                             f"{impl} ({type(e).__name__}); convert it: megatron-patch convert mcore-to-mcore "
                              f"--impl {impl}") from e
         model.load_state_dict(loaded, strict=True)
     else:  # legacy, or saved by a HybridModel run: through the HF tensors (the reader maps hybrid layers)

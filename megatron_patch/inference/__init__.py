@@ -14,28 +14,29 @@ from megatron_patch.inference.sampling import Sampling
 from megatron_patch.names import DTYPE_NAMES, IMPLS, torch_dtype
 
 
-def load_model(mcore_dir: str | None, hf_dir: str | None, tp: int = 1, pp: int = 1, impl: str | None = None,
-               dtype=None, ep: int = 1):
+def load_model(mcore_dir: str | None, hf_dir: str | None, *, layout=None, impl: str | None = None, dtype=None):
     """(this rank's GPTModel, hf_config): a Megatron checkpoint as stored (its own implementation), or
-    an HF folder converted in memory for this rank (`impl`, default local; `dtype` default fp32)."""
+    an HF folder converted in memory for this rank (`impl`, default local; `dtype` default fp32), at `layout`
+    (a `models.Layout`; default TP = PP = EP = 1)."""
     import torch
 
-    dtype = dtype or torch.float32
+    from megatron_patch.models import Layout
+
+    dtype, layout = dtype or torch.float32, layout or Layout()
     if mcore_dir:
         from megatron_patch.conversion.megatron_checkpoint import load_megatron_model
-        from megatron_patch.models import Layout
 
-        return load_megatron_model(mcore_dir, layout=Layout(tp, pp, ep=ep), impl=impl, dtype=dtype)
+        return load_megatron_model(mcore_dir, layout=layout, impl=impl, dtype=dtype)
     from megatron_patch.conversion.engine import load_hf_into_rank, make_plan
     from megatron_patch.conversion.hf_io import HFCheckpoint
-    from megatron_patch.models import Layout, build_model, get_family, load_hf_config
+    from megatron_patch.models import build_model, get_family, load_hf_config
 
     impl = impl or "local"
     cfg = load_hf_config(hf_dir)
     family = get_family(cfg)
-    model = build_model(cfg, tp, pp, impl=impl, dtype=dtype, perform_initialization=False, ep=ep, family=family)
+    model = build_model(cfg, layout=layout, impl=impl, dtype=dtype, perform_initialization=False, family=family)
     ckpt = HFCheckpoint(hf_dir)
-    load_hf_into_rank(model, make_plan(cfg, Layout(tp, pp, ep=ep), impl, family), ckpt.get, ckpt.keys(), dtype)
+    load_hf_into_rank(model, make_plan(cfg, layout, impl, family), ckpt.get, ckpt.keys(), dtype)
     return model.eval(), cfg
 
 
@@ -83,7 +84,10 @@ def model_and_tokenizer(args, before_loading=None):
     tokenizer = build_tokenizer(args.tokenizer or model_folder(args.mcore_dir, args.hf_dir))
     if before_loading is not None:
         before_loading(tokenizer)
-    model, cfg = load_model(args.mcore_dir, args.hf_dir, args.tp, args.pp, args.impl, torch_dtype(args.dtype), args.ep)
+    from megatron_patch.models import Layout
+
+    model, cfg = load_model(args.mcore_dir, args.hf_dir, layout=Layout(args.tp, args.pp, ep=args.ep), impl=args.impl,
+                            dtype=torch_dtype(args.dtype))
     vocab = vocab_size(cfg)
     if tokenizer.vocab_size > vocab:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is {vocab}")

@@ -10,6 +10,7 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from megatron_patch import compat
 from megatron_patch.inference.sampling import Sampling
 from megatron_patch.inference.stops import holds_stop, stop_window
 
@@ -33,15 +34,6 @@ KV_SHARE_OF_FREE_MEMORY = 0.5
 # GPU's forward pass. The same tokens (tested); a request that stops (end token, stop string) costs one forward
 # pass that is thrown away. Off until measured on the GPU (issue 27: `benchmarks/engine_probe.py --sched`).
 ASYNC_SCHEDULING = False
-
-
-def async_scheduling_available() -> bool:
-    """This megatron-core has asynchronous scheduling (`InferenceConfig.async_sched_mode`, 0.19 on)."""
-    import dataclasses
-
-    from megatron.core.inference.config import InferenceConfig
-
-    return any(f.name == "async_sched_mode" for f in dataclasses.fields(InferenceConfig))
 
 
 def default_max_requests() -> int:
@@ -136,7 +128,7 @@ def plan_engine(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, ma
                       max_tokens=max(DynamicInferenceContext.DEFAULT_MAX_TOKENS, longest, n),
                       kv_cache_gb=budget / 1024 ** 3, cuda_graphs=cuda_graphs,
                       non_decode_graphs=not patches.attends_in_torch(model.config.params_dtype),
-                      async_scheduling=ASYNC_SCHEDULING and async_scheduling_available())
+                      async_scheduling=ASYNC_SCHEDULING and compat.async_scheduling_available())
 
 
 def unsupported_attention(model) -> str | None:

@@ -138,9 +138,7 @@ def adapt(model: torch.nn.Module, args: argparse.Namespace, hf_config: Any, fami
         raise LoRAError(f"LoRA adapts GPTModel's layers: --model-class {args.model_class} is not supported")
     if is_reward_config(hf_config):
         raise LoRAError("LoRA for the reward model is not supported (its new scalar head must train in full)")
-    layout = Layout(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                    args.make_vocab_size_divisible_by, args.expert_model_parallel_size,
-                    args.expert_tensor_parallel_size)
+    layout = Layout.from_megatron_args(args)
     plan = make_plan(hf_config, layout, args.transformer_impl, family, padded_vocab_size=args.padded_vocab_size)
     cfg, imported = lora_config(args, plan)
     sites = apply_lora(model, hf_config, cfg, plan)

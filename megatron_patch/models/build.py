@@ -79,20 +79,46 @@ def transformer_config(hf_config: Any, layout: Layout = Layout(), dtype: torch.d
     return cls(**kwargs)
 
 
-def build_model(hf_config: Any, tp: int = 1, pp: int = 1, impl: Impl = "local",
-                dtype: torch.dtype = torch.float32, make_vocab_size_divisible_by: int = 128,
-                padded_vocab_size: int | None = None, pre_process: bool | None = None,
-                post_process: bool | None = None, ep: int = 1, etp: int | None = None,
+# build_model's parameters before `layout` (deprecated: pass layout=Layout(...))
+_LAYOUT_PARAMETERS = ("tp", "pp", "make_vocab_size_divisible_by", "ep", "etp")
+
+
+def _layout_argument(layout: Layout | None, positional: tuple, overrides: dict) -> Layout:
+    """`layout`, or the one the deprecated form gives: `build_model(cfg, tp, pp, ...)` / `tp=`, `pp=`, `ep=`,
+    `etp=`, `make_vocab_size_divisible_by=` keywords (a DeprecationWarning; both forms at once are an error)."""
+    import warnings
+
+    given = {k: overrides.pop(k) for k in _LAYOUT_PARAMETERS if k in overrides}
+    if len(positional) > 2:
+        raise TypeError("build_model(hf_config, *, layout=Layout(...), impl=..., dtype=..., ...): impl, dtype and "
+                        "the rest are keyword-only")
+    given.update(zip(("tp", "pp"), positional))
+    if not given:
+        return layout or Layout()
+    if layout is not None:
+        raise TypeError(f"build_model: pass the layout once, as layout=Layout(...), not also {', '.join(given)}")
+    warnings.warn("build_model(hf_config, tp, pp, ep=..., ...) is deprecated: pass layout=Layout(tp, pp, ep=...)",
+                  DeprecationWarning, stacklevel=3)
+    return Layout(**given)
+
+
+def build_model(hf_config: Any, *deprecated_tp_pp: int, layout: Layout | None = None, impl: Impl = "local",
+                dtype: torch.dtype = torch.float32, padded_vocab_size: int | None = None,
+                pre_process: bool | None = None, post_process: bool | None = None,
                 family: ModelFamily | None = None, model_class: str = "gpt", **config_overrides):
     """The megatron-core `GPTModel` (`model_class="hybrid"`: `HybridModel`, models/hybrid.py) for this
-    process's rank of a TP x PP (x EP) layout.
+    process's rank of `layout` (a `Layout`: TP x PP x EP sizes and the vocab padding rule; default all 1).
 
-    Model parallelism must be initialised for TP x PP (`parallel_state.initialize_model_parallel`);
+    Model parallelism must be initialised for the layout (`parallel_state.initialize_model_parallel`);
     for TP=PP=1 with nothing set up, a gloo world of one is created here. The embedding is padded
-    per `make_vocab_size_divisible_by` x TP unless `padded_vocab_size` (e.g. a checkpoint's) is given.
+    per `layout.make_vocab_size_divisible_by` x TP unless `padded_vocab_size` (e.g. a checkpoint's) is given.
     `config_overrides` are TransformerConfig fields (e.g. `perform_initialization=False`, or a
-    checkpoint's `num_query_groups`). `family`: the family of `hf_config` when the caller has resolved it."""
+    checkpoint's `num_query_groups`). `family`: the family of `hf_config` when the caller has resolved it.
+    The form `build_model(cfg, tp, pp, ep=...)` still works, with a DeprecationWarning."""
     from megatron.core import parallel_state as ps
+
+    layout = _layout_argument(layout, deprecated_tp_pp, config_overrides)
+    tp, pp, ep = layout.tp, layout.pp, layout.ep
 
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
@@ -102,9 +128,8 @@ def build_model(hf_config: Any, tp: int = 1, pp: int = 1, impl: Impl = "local",
     build, class_fields = model_class_parts(model_class)
     family = family or get_family(hf_config)
     config_overrides = {**class_fields(hf_config, family), **config_overrides}
-    layout = Layout(tp, pp, make_vocab_size_divisible_by, ep, etp)
     family.check_layout(hf_config, layout)
-    ensure_model_parallel(tp, pp, ep, etp)
+    ensure_model_parallel(tp, pp, ep, layout.etp)
     have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
             ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size())
     if have != (tp, pp, ep, layout.expert_tp):

@@ -68,28 +68,54 @@ def query_groups_for(kv_heads: int, tp: int) -> int:
 
 @dataclass(frozen=True)
 class Layout:
-    """A parallel layout plus the vocab padding rule that depends on it."""
+    """A parallel layout plus the vocab padding rule that depends on it: tensor (`tp`), pipeline (`pp`, with
+    `vpp` virtual stages each), expert (`ep`, `etp`) and context (`cp`) parallel sizes, as Megatron-LM's
+    arguments name them (`from_megatron_args`). `check` is the one test of a layout against a model."""
 
     tp: int = 1
     pp: int = 1
     make_vocab_size_divisible_by: int = 128
     ep: int = 1  # expert parallel: the experts of a mixture-of-experts layer split over EP ranks
     etp: int | None = None  # expert tensor parallel: how each routed expert is split (default: TP)
+    cp: int = 1  # context parallel: the sequence split over CP ranks (the weights are not)
+    vpp: int | None = None  # virtual pipeline: model chunks per pipeline rank (interleaved schedule)
 
     @property
     def expert_tp(self) -> int:
         return self.etp or self.tp
 
-    def check(self, num_layers: int, num_heads: int, num_query_groups: int) -> None:
-        if self.tp < 1 or self.pp < 1:
-            raise ValueError(f"TP and PP must be >= 1 (got TP={self.tp}, PP={self.pp})")
+    @classmethod
+    def from_megatron_args(cls, args: Any) -> Layout:
+        """The layout of Megatron-LM's parsed (and validated) arguments."""
+        return cls(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                   args.make_vocab_size_divisible_by, getattr(args, "expert_model_parallel_size", 1) or 1,
+                   getattr(args, "expert_tensor_parallel_size", None),
+                   getattr(args, "context_parallel_size", 1) or 1,
+                   getattr(args, "virtual_pipeline_model_parallel_size", None))
+
+    def check(self, num_layers: int, num_heads: int, num_query_groups: int, num_experts: int = 0,
+              expert_ffn: int | None = None, model: str = "the model") -> None:
+        """A ValueError naming the size that does not fit the model."""
+        sizes = {"TP": self.tp, "PP": self.pp, "EP": self.ep, "CP": self.cp, "ETP": self.expert_tp,
+                 "VPP": self.vpp or 1}
+        low = [f"{k}={v}" for k, v in sizes.items() if v < 1]
+        if low:
+            raise ValueError(f"parallel sizes must be >= 1 (got {', '.join(low)})")
         if num_heads % self.tp:
             raise ValueError(f"TP={self.tp} does not divide the {num_heads} attention heads")
         query_groups_for(num_query_groups, self.tp)
         if num_layers % self.pp:
             raise ValueError(f"PP={self.pp} does not divide the {num_layers} layers")
-        if self.ep < 1:
-            raise ValueError(f"EP must be >= 1 (got {self.ep})")
+        if self.vpp and (self.pp == 1 or num_layers % (self.pp * self.vpp)):
+            raise ValueError(f"VPP={self.vpp}: a virtual pipeline needs PP > 1 and PP x VPP dividing the "
+                             f"{num_layers} layers (PP={self.pp})")
+        if self.ep > 1 and not num_experts:
+            raise ValueError(f"EP={self.ep}: {model} has no experts to split (expert parallelism is for "
+                             "mixture-of-experts models)")
+        if num_experts and num_experts % self.ep:
+            raise ValueError(f"EP={self.ep} does not divide the {num_experts} experts")
+        if num_experts and expert_ffn and expert_ffn % self.expert_tp:
+            raise ValueError(f"ETP={self.expert_tp} does not divide the experts' FFN size {expert_ffn}")
 
 
 class ModelFamily:
@@ -111,7 +137,8 @@ class ModelFamily:
         ck = self.config_kwargs(hf_config)
         vocab = int(cfg_get(hf_config, "vocab_size"))
         groups = ck.get("num_query_groups") or ck["num_attention_heads"]
-        layout.check(ck["num_layers"], ck["num_attention_heads"], groups)
+        layout.check(ck["num_layers"], ck["num_attention_heads"], groups, ck.get("num_moe_experts") or 0,
+                     ck.get("moe_ffn_hidden_size"), self.name)
         return Shapes(
             num_heads=ck["num_attention_heads"],
             num_query_groups=query_groups_for(groups, layout.tp),
@@ -122,17 +149,8 @@ class ModelFamily:
         )
 
     def check_layout(self, hf_config: Any, layout: Layout) -> None:
+        """`Layout.check` with this family's numbers for `hf_config`."""
         self.shapes(hf_config, layout)
-        arch = self.config_kwargs(hf_config)
-        experts = arch.get("num_moe_experts") or 0
-        if layout.ep > 1 and not experts:
-            raise ValueError(f"EP={layout.ep}: {self.name} has no experts to split (expert parallelism is for "
-                             "mixture-of-experts models)")
-        if experts and experts % layout.ep:
-            raise ValueError(f"EP={layout.ep} does not divide the {experts} experts")
-        ffn = arch.get("moe_ffn_hidden_size")
-        if experts and ffn and ffn % layout.expert_tp:
-            raise ValueError(f"ETP={layout.expert_tp} does not divide the experts' FFN size {ffn}")
 
     # ---- (b) layer spec ---------------------------------------------------------------------
     def layer_spec(self, hf_config: Any, impl: Impl):

@@ -45,10 +45,12 @@ def as_reward_config(hf_config: dict) -> dict:
 
 
 class ScalarHead(torch.nn.Module):
-    """megatron's output layer slot -> one value per position ([s, b, 1]); replicated over TP."""
+    """megatron's output layer slot -> one value per position ([s, b, 1]); replicated over TP. It carries
+    the config's `pad_token_id`, which decides the scored token (`score_positions`), for the loss to read."""
 
-    def __init__(self, hidden_size: int, config):
+    def __init__(self, hidden_size: int, config, pad_token_id: int | None = None):
         super().__init__()
+        self.pad_token_id = pad_token_id
         self.weight = torch.nn.Parameter(torch.empty(1, hidden_size, dtype=config.params_dtype))
         config.init_method(self.weight)
         self.sequence_parallel = config.sequence_parallel
@@ -132,7 +134,7 @@ class RewardFamily(ModelFamily):
     def finalize(self, model, hf_config: Any) -> None:
         self.base.finalize(model, hf_config)
         if model.post_process:
-            model.output_layer = ScalarHead(model.config.hidden_size, model.config)
+            model.output_layer = ScalarHead(model.config.hidden_size, model.config, cfg_get(hf_config, "pad_token_id"))
             if not model.config.use_cpu_initialization and torch.cuda.is_available():
                 model.output_layer.cuda(torch.cuda.current_device())
 

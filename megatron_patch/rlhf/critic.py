@@ -49,7 +49,7 @@ def check_same_vocabulary(flag: str, path: str, role: str, policy_cfg: dict, tok
     return cfg
 
 
-def load_critic(path: str, tp: int, pp: int, impl: str | None, dtype, seed: int):
+def load_critic(path: str, *, layout, impl: str | None, dtype, seed: int):
     """(critic, its HF config): the model at `path` with the scalar head of a reward model. A reward model
     is used as it is; a causal LM gives its backbone, and the head (on the last pipeline stage) starts from a
     seeded normal draw (init_method_std; the same on every TP rank and at every TP x PP)."""
@@ -58,11 +58,11 @@ def load_critic(path: str, tp: int, pp: int, impl: str | None, dtype, seed: int)
     from megatron_patch.models import build_model
     from megatron_patch.models.reward import as_reward_config, is_reward_config
 
-    source, cfg = load_model(*model_paths(path), tp, pp, impl, dtype)
+    source, cfg = load_model(*model_paths(path), layout=layout, impl=impl, dtype=dtype)
     if is_reward_config(cfg):
         return source, cfg
     cfg = as_reward_config(cfg)
-    critic = build_model(cfg, tp, pp, impl=impl or source.config.transformer_impl, dtype=dtype,
+    critic = build_model(cfg, layout=layout, impl=impl or source.config.transformer_impl, dtype=dtype,
                          padded_vocab_size=source.vocab_size, perform_initialization=False)
     state = {k: v for k, v in source.state_dict().items() if not k.startswith("output_layer.")}
     if critic.post_process:

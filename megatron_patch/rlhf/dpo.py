@@ -59,10 +59,12 @@ def reference_model(args):
     """The frozen reference, built once per process in the policy's TP layout."""
     if "model" not in _REFERENCE:
         from megatron_patch.inference import load_model
+        from megatron_patch.models import Layout
 
         dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
         hf_dir = None if args.ref_load else (args.ref_load_hf or args.load_hf)
-        model, _ = load_model(args.ref_load, hf_dir, args.tensor_model_parallel_size, 1, args.transformer_impl, dtype)
+        model, _ = load_model(args.ref_load, hf_dir, layout=Layout(args.tensor_model_parallel_size),
+                              impl=args.transformer_impl, dtype=dtype)
         for p in model.parameters():
             p.requires_grad_(False)
         _REFERENCE["model"] = model.eval()

@@ -120,9 +120,10 @@ def frozen(model):
 def policy_and_reference(mcore_dir: str | None, hf_dir: str | None, tp: int, pp: int, impl: str | None, dtype):
     """(policy, frozen reference, hf_config): two copies of the starting model in this rank's TP x PP slice."""
     from megatron_patch.inference import load_model
+    from megatron_patch.models import Layout
 
-    policy, cfg = load_model(mcore_dir, hf_dir, tp, pp, impl, dtype)
-    reference, _ = load_model(mcore_dir, hf_dir, tp, pp, impl, dtype)
+    policy, cfg = load_model(mcore_dir, hf_dir, layout=Layout(tp, pp), impl=impl, dtype=dtype)
+    reference, _ = load_model(mcore_dir, hf_dir, layout=Layout(tp, pp), impl=impl, dtype=dtype)
     for p in policy.parameters():
         p.requires_grad_(True)
     return policy, frozen(reference), cfg

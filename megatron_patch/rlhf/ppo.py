@@ -93,17 +93,19 @@ class PPO(Algorithm):
 
     def setup(self) -> None:
         from megatron_patch.inference import load_model
+        from megatron_patch.models import Layout
         from megatron_patch.rlhf.critic import load_critic, model_paths
         from megatron_patch.rlhf.ppo_loss import KLController
 
         loop, args = self.loop, self.loop.args
         self.reward_model = self.reward_cfg = None
         if args.reward_model:
-            model, self.reward_cfg = load_model(*model_paths(args.reward_model), args.tp, args.pp, args.impl,
-                                                loop.dtype)
+            model, self.reward_cfg = load_model(*model_paths(args.reward_model), layout=Layout(args.tp, args.pp),
+                                                impl=args.impl, dtype=loop.dtype)
             self.reward_model = frozen(model)
         critic_from = args.critic or args.reward_model or args.hf_dir or args.mcore_dir
-        self.critic, self.critic_cfg = load_critic(critic_from, args.tp, args.pp, args.impl, loop.dtype, args.seed)
+        self.critic, self.critic_cfg = load_critic(critic_from, layout=Layout(args.tp, args.pp), impl=args.impl,
+                                                   dtype=loop.dtype, seed=args.seed)
         for p in self.critic.parameters():
             p.requires_grad_(True)
         self.critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=args.critic_lr, weight_decay=0.0)

@@ -8,7 +8,7 @@ Any registered family's decoder with a scalar head (`megatron_patch.models.rewar
 real token, HF's `<Family>ForSequenceClassification` with num_labels=1). `--load-hf` may be a causal LM (the
 head starts fresh) or a reward model. Loss: Bradley-Terry, -log sigmoid(r_chosen - r_rejected), averaged over
 the pairs of the global batch; logged with `accuracy` (r_chosen > r_rejected) and `margin` (mean r_chosen -
-r_rejected). `--save-hf` / `toolkits.checkpoint_converter mcore-to-hf` export an HF reward model
+r_rejected). `--save-hf` / `megatron-patch convert mcore-to-hf` export an HF reward model
 (`AutoModelForSequenceClassification`)."""
 
 from __future__ import annotations
@@ -18,29 +18,34 @@ from functools import partial
 
 import torch
 
-_PAD: dict[str, int | None] = {}  # the reward model's pad_token_id, set when its config is made
-
 
 def reward_config(hf_config: dict) -> dict:
     """The model trained: `hf_config` as a one-label sequence classifier (its pad_token_id decides the
-    scored token, as in HF)."""
+    scored token, as in HF; the model's scalar head carries it)."""
     from megatron_patch.models.reward import as_reward_config
 
-    cfg = as_reward_config(hf_config)
-    _PAD["id"] = cfg.get("pad_token_id")
-    return cfg
+    return as_reward_config(hf_config)
 
 
-def pairwise_loss(tokens: torch.Tensor, lengths: torch.Tensor, output: torch.Tensor):
-    """Megatron's loss-function protocol: (sum over pairs, number of pairs, metrics as [sum, count])."""
+def pairwise_loss(tokens: torch.Tensor, lengths: torch.Tensor, pad_token_id: int | None, output: torch.Tensor):
+    """Megatron's loss-function protocol: (sum over pairs, number of pairs, metrics as [sum, count]).
+    `pad_token_id`: the reward model's, which decides the scored token (`models.reward.score_positions`)."""
     from megatron_patch.models.reward import scored_values
     from megatron_patch.rlhf.common import pair_report
 
-    values = scored_values(output.float(), tokens, lengths, _PAD.get("id")).view(-1, 2)
+    values = scored_values(output.float(), tokens, lengths, pad_token_id).view(-1, 2)
     diff = values[:, 0] - values[:, 1]
     per_pair = -torch.nn.functional.logsigmoid(diff)
     n, report = pair_report(**{"rm loss": per_pair, "accuracy": diff > 0, "margin": diff})
     return per_pair.sum(), n, report
+
+
+def scalar_head(model):
+    """The reward model's scalar head under megatron's wrappers (DDP, Float16Module), or None on a pipeline
+    stage without one."""
+    while not hasattr(model, "output_layer") and hasattr(model, "module"):
+        model = model.module
+    return getattr(model, "output_layer", None)
 
 
 def forward_step(data_iterator, model):
@@ -48,7 +53,8 @@ def forward_step(data_iterator, model):
 
     batch = pair_batch(data_iterator)
     values = model(batch["tokens"], batch["position_ids"], None)
-    return values, partial(pairwise_loss, batch["tokens"], batch["lengths"])
+    pad = getattr(scalar_head(model), "pad_token_id", None)
+    return values, partial(pairwise_loss, batch["tokens"], batch["lengths"], pad)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,5 +1,5 @@
 """Checkpoints of training runs: the `--save` folder carries the HF config (and tokenizer files) in
-`hf/`, like a converted checkpoint, so `--load` needs no `--hf-config` and `toolkits.checkpoint_converter
+`hf/`, like a converted checkpoint, so `--load` needs no `--hf-config` and `megatron-patch convert
 mcore-to-hf` exports it as is; `--save-hf` runs that export at the end of training."""
 
 from __future__ import annotations

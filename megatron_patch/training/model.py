@@ -60,9 +60,7 @@ def load_hf_weights(model, hf_dir: str, hf_config: Any, args) -> None:
     from megatron_patch.models import load_hf_config
     from megatron_patch.models.reward import SCORE, is_reward_config
 
-    layout = Layout(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                    args.make_vocab_size_divisible_by, args.expert_model_parallel_size,
-                    args.expert_tensor_parallel_size)
+    layout = Layout.from_megatron_args(args)
     ckpt = HFCheckpoint(hf_dir)
     fresh_head = is_reward_config(hf_config) and SCORE not in ckpt.keys()
     source = load_hf_config(hf_dir) if fresh_head else hf_config

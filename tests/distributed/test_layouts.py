@@ -51,7 +51,7 @@ def _check_layouts(rank: int, data_path: str) -> dict:
             plan = make_plan(cfg, Layout(tp, pp, ep=ep, etp=etp))
             mine = hf_to_megatron(plan, sd.__getitem__, sd.keys(), stages=[me[1]], tp_ranks=[me[0]],
                                   ep_ranks=[me[2]], etp_rank=current_etp_rank())[me]
-            model = build_model(cfg, tp, pp, ep=ep, etp=etp).eval()
+            model = build_model(cfg, layout=Layout(tp, pp, ep=ep, etp=etp)).eval()
             load_rank_state_dict(model, mine)
             results[(variant, tp, pp, ep, etp)] = megatron_logits(model, ids, ref.shape[-1])
     return results

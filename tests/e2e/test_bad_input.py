@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
+from megatron_patch.convert import main
 from tests.models import hf_model, llama_config, save_hf
-from toolkits.checkpoint_converter.__main__ import main
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +155,7 @@ def test_disk_full(hf_dir, tmp_path, fmt):
         resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))
 
     proc = subprocess.run(
-        [sys.executable, "-m", "toolkits.checkpoint_converter", "hf-to-mcore", "--hf-dir", hf_dir, "--out", out,
+        [sys.executable, "-m", "megatron_patch.convert", "hf-to-mcore", "--hf-dir", hf_dir, "--out", out,
          "--format", fmt], capture_output=True, text=True, preexec_fn=quota, timeout=300,
         env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
     assert proc.returncode == 1, proc.stderr[-2000:]
@@ -249,7 +249,7 @@ def test_stale_partial_output_of_a_killed_run_is_removed_next_time(hf_dir, tmp_p
     import time
 
     out = str(tmp_path / "out")
-    cmd = [sys.executable, "-m", "toolkits.checkpoint_converter", "hf-to-mcore", "--hf-dir", hf_dir, "--out", out]
+    cmd = [sys.executable, "-m", "megatron_patch.convert", "hf-to-mcore", "--hf-dir", hf_dir, "--out", out]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
     while not [n for n in os.listdir(tmp_path) if ".partial-" in n] and time.time() < deadline:

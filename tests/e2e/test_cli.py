@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from megatron_patch.conversion.hf_io import read_all
+from megatron_patch.convert import main
 from tests.models import hf_model, llama_config, save_hf
-from toolkits.checkpoint_converter.__main__ import main
 
 
 @pytest.fixture(scope="module")
@@ -158,17 +158,17 @@ def test_help_is_instant_and_every_option_says_what_it_does():
     import subprocess
     import sys
 
-    from toolkits.checkpoint_converter.__main__ import _parser
+    from megatron_patch.convert import _parser
 
     for args in ([], ["verify"], ["hf-to-mcore"]):
-        p = subprocess.run([sys.executable, "-X", "importtime", "-m", "toolkits.checkpoint_converter", *args, "--help"],
+        p = subprocess.run([sys.executable, "-X", "importtime", "-m", "megatron_patch.convert", *args, "--help"],
                            capture_output=True, text=True)
         assert p.returncode == 0, p.stderr[-2000:]
         imported = {line.rsplit("|", 1)[-1].strip() for line in p.stderr.splitlines()
                     if line.startswith("import time:")}
         assert not {"torch", "megatron", "transformers"} & imported, sorted(imported)[:20]
     assert "torch_dist" in p.stdout and "legacy" in p.stdout
-    top = subprocess.run([sys.executable, "-m", "toolkits.checkpoint_converter", "--help"], capture_output=True,
+    top = subprocess.run([sys.executable, "-m", "megatron_patch.convert", "--help"], capture_output=True,
                          text=True).stdout
     assert "torch_dist" in top and "legacy" in top
     subparsers = next(a for a in _parser()._actions if a.dest == "command")
@@ -182,7 +182,7 @@ def test_plain_process_prints_no_third_party_notices_and_reports_wall_time(conve
     import sys
 
     _, hf_dir, _ = converted
-    p = subprocess.run([sys.executable, "-m", "toolkits.checkpoint_converter", "hf-to-mcore", "--hf-dir", hf_dir,
+    p = subprocess.run([sys.executable, "-m", "megatron_patch.convert", "hf-to-mcore", "--hf-dir", hf_dir,
                         "--out", str(tmp_path / "mc")], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     for notice in ("GPTModel IS DEPRECATED", "ShardedTensor", "No CUDA runtime", "Warning"):
@@ -202,12 +202,13 @@ def test_demo_prints_the_commands_a_user_would_type(tmp_path):
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
     lines = [line for line in p.stdout.splitlines() if line.startswith("$ ")]
-    assert [line.split()[:4] for line in lines] == [["$", "python", "-m", "toolkits.checkpoint_converter"]] * 3
+    assert [line.split()[:3] for line in lines] == [["$", "megatron-patch", "convert"]] * 3
     assert "bitwise identical: yes" in p.stdout
 
 
 @pytest.mark.parametrize("module", ["megatron_patch.generate", "megatron_patch.evaluate", "megatron_patch.rlhf.grpo",
-                                    "megatron_patch.rlhf.rloo", "megatron_patch.rlhf.ppo", "toolkits.preprocess_data"])
+                                    "megatron_patch.rlhf.rloo", "megatron_patch.rlhf.ppo",
+                                    "megatron_patch.preprocess_data"])
 def test_every_tool_option_says_what_it_does(module, monkeypatch):
     """Each option of our tools' own parsers has a help text (and HelpFormatter shows its default)."""
     import argparse
@@ -227,3 +228,60 @@ def test_every_tool_option_says_what_it_does(module, monkeypatch):
     parser = seen[0]
     assert parser.formatter_class is HelpFormatter
     assert [a.option_strings for a in parser._actions if not a.help] == []
+
+
+def test_one_command_names_every_tool_and_runs_the_converter_without_loading_torch_for_help():
+    """`megatron-patch` (the console script; `python -m megatron_patch`): `--help` lists every command, each
+    command is a module with `main`, `convert --help` imports neither torch nor megatron-core, and an unknown
+    command is one `error:` line with exit status 2."""
+    import importlib
+    import subprocess
+    import sys
+
+    from megatron_patch.__main__ import COMMANDS
+
+    script = os.path.join(os.path.dirname(sys.executable), "megatron-patch")
+    top = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=120)
+    assert top.returncode == 0, top.stderr
+    assert all(f"  {name} " in top.stdout for name in COMMANDS), top.stdout
+    assert all(callable(importlib.import_module(module).main) for module, _ in COMMANDS.values())
+    p = subprocess.run([sys.executable, "-X", "importtime", "-m", "megatron_patch", "convert", "hf-to-mcore",
+                        "--help"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "usage: megatron-patch convert hf-to-mcore" in p.stdout, p.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in p.stderr.splitlines() if line.startswith("import time:")}
+    assert not {"torch", "megatron", "transformers"} & imported
+    bad = subprocess.run([script, "convrt"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: unknown command 'convrt'")
+    assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_the_old_toolkits_commands_still_work_with_a_note(converted, tmp_path):
+    """`python -m toolkits.checkpoint_converter` and `python -m toolkits.preprocess_data` (the names before
+    `megatron-patch convert` / `preprocess-data`) run the same tools, after one deprecation note on stderr: the
+    alias's checkpoint equals the new command's, tensor for tensor."""
+    import subprocess
+    import sys
+
+    _, hf_dir, _ = converted
+    outs = {}
+    for name, cmd in (("old", [sys.executable, "-m", "toolkits.checkpoint_converter"]),
+                      ("new", [os.path.join(os.path.dirname(sys.executable), "megatron-patch"), "convert"])):
+        outs[name] = str(tmp_path / name)
+        p = subprocess.run([*cmd, "mcore-to-hf", "--mcore-dir", str(tmp_path / "missing"), "--out", outs[name]],
+                           capture_output=True, text=True, timeout=300)
+        assert p.returncode == 1 and p.stderr.strip().splitlines()[-1].startswith("error:"), p.stderr[-2000:]
+        p = subprocess.run([*cmd, "hf-to-mcore", "--hf-dir", hf_dir, "--out", outs[name], "--format", "legacy"],
+                           capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr[-2000:]
+        notes = [line for line in p.stderr.splitlines() if "deprecated" in line]
+        assert notes == (["note: python -m toolkits.checkpoint_converter is deprecated; use megatron-patch convert "
+                          "(or python -m megatron_patch.convert)"] if name == "old" else [])
+    from megatron_patch.conversion.legacy import load_legacy_file
+
+    rank = os.path.join("release", "mp_rank_00", "model_optim_rng.pt")
+    old, new = (load_legacy_file(os.path.join(outs[n], rank))["model"] for n in ("old", "new"))
+    assert old.keys() == new.keys() and all(torch.equal(old[k], new[k]) for k in old if torch.is_tensor(old[k]))
+    p = subprocess.run([sys.executable, "-m", "toolkits.preprocess_data", "--help"], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0 and "usage: megatron-patch preprocess-data" in p.stdout
+    assert "note: python -m toolkits.preprocess_data is deprecated" in p.stderr

@@ -11,9 +11,9 @@ import os
 import pytest
 import torch
 
+from megatron_patch.convert import main as convert
 from megatron_patch.tokenizer import CORPUS, TINY_TOKENIZER, build_tokenizer
 from tests.models import hf_model, llama_config, save_hf
-from toolkits.checkpoint_converter.__main__ import main as convert
 
 
 @pytest.fixture(scope="module")

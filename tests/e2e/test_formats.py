@@ -12,10 +12,10 @@ import torch
 from megatron_patch.conversion.engine import extra_state_names, make_plan
 from megatron_patch.conversion.hf_io import read_all
 from megatron_patch.conversion.legacy import load_legacy_file
+from megatron_patch.convert import main
 from megatron_patch.models import Layout
 from megatron_patch.names import LEGACY_FILE
 from tests.models import hf_model, llama_config, save_hf
-from toolkits.checkpoint_converter.__main__ import main
 
 
 def _assert_same(a: dict, b: dict):

@@ -14,10 +14,10 @@ import os
 import pytest
 import torch
 
-from megatron_patch.inference.dynamic import async_scheduling_available
+from megatron_patch.compat import async_scheduling_available
+from megatron_patch.convert import main as convert
 from megatron_patch.tokenizer import TINY_TOKENIZER
 from tests.models import hf_model, llama_config, save_hf
-from toolkits.checkpoint_converter.__main__ import main as convert
 
 PROMPTS = ["The interpreter", "A module is a file containing Python definitions and statements.", "def f(x):"]
 
@@ -119,6 +119,7 @@ def test_bad_input(setup, tmp_path, capsys):
 
 def _generate_tp2_and_pp2(rank: int, mc: str) -> dict[str, list[list[int]]]:
     from megatron_patch.inference import Sampling, generate, load_model
+    from megatron_patch.models import Layout
     from megatron_patch.tokenizer import build_tokenizer
     from tests import _cpu
 
@@ -126,7 +127,7 @@ def _generate_tp2_and_pp2(rank: int, mc: str) -> dict[str, list[list[int]]]:
     out = {}
     for tp, pp in ((2, 1), (1, 2)):
         _cpu.init_model_parallel(tp, pp)
-        model, _ = load_model(mc, None, tp, pp)
+        model, _ = load_model(mc, None, layout=Layout(tp, pp))
         out[f"tp{tp}pp{pp}"] = generate(model, tok, [tok.tokenize(p) for p in PROMPTS],
                                         Sampling(12, top_k=1, stop_id=tok.eod), max_batch_size=2)
     return out

@@ -18,9 +18,9 @@ import json
 
 import pytest
 
+from megatron_patch.convert import main as convert
 from megatron_patch.tokenizer import CORPUS, TINY_TOKENIZER
 from tests.models import hf_model, llama_config, save_hf
-from toolkits.checkpoint_converter.__main__ import main as convert
 
 TASKS = ["mp_mc", "mp_mc_space", "mp_ppl", "mp_gen"]
 MAX_LENGTH = 64  # both models: the rolling documents need several windows

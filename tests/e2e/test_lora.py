@@ -648,7 +648,7 @@ def test_model_tools_refuse_a_lora_checkpoint_naming_the_export(cpu_megatron, tp
     """Issue 35 item 5: a LoRA run's checkpoint holds the adapters only; generate, evaluate, verify, mcore-to-hf
     and mcore-to-mcore say so in one error line naming `python -m megatron_patch.lora.export` (nothing written)."""
     from megatron_patch import evaluate, generate
-    from toolkits.checkpoint_converter.__main__ import main as convert
+    from megatron_patch.convert import main as convert
 
     ckpt = str(tp1[1] / "ckpt")
     (tmp_path / "prompts.jsonl").write_text(json.dumps({"prompt": "The module"}) + "\n")

@@ -1,5 +1,5 @@
 """`python -m megatron_patch.pretrain` end to end on CPU (megatron.training over gloo; test-only CPU
-redirects in tests/_cpu.py), on the bundled corpus tokenized by `toolkits.preprocess_data`:
+redirects in tests/_cpu.py), on the bundled corpus tokenized by `megatron-patch preprocess-data`:
 
 - a tiny LLaMA from an HF config trains (loss falls), saves at iteration 10 and resumes to 15 with
   every micro-batch loss of 11-15 equal to an uninterrupted 15-iteration run (1e-6), at TP=1 and TP=2,
@@ -166,7 +166,7 @@ def test_fp8_needs_transformer_engine():
     import importlib.util
     from argparse import Namespace
 
-    from megatron_patch.training.arguments import apply_precision
+    from megatron_patch.training.device import apply_precision
 
     if importlib.util.find_spec("transformer_engine") is not None:
         pytest.skip("Transformer Engine is installed")
@@ -178,7 +178,7 @@ def test_blend_weights_and_prefixes_are_checked(corpus, tmp_path):
     """--data-path "w1 prefix1 w2 prefix2": weights pass, every prefix needs its .bin and .idx."""
     from argparse import Namespace
 
-    from megatron_patch.training.arguments import check_data_paths
+    from megatron_patch.training.checks import check_data_paths
 
     base = dict(mock_data=False, train_data_path=None, valid_data_path=None, test_data_path=None,
                 data_args_path=None, per_split_data_args_path=None)

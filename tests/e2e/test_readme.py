@@ -82,6 +82,8 @@ def argv_of(command: str) -> tuple[list[str], str | None]:
         from tests._cpu import free_port
 
         return [sys.executable, "-m", "torch.distributed.run", "--master_port", str(free_port()), *words[1:]], stdin
+    if words[0] == "megatron-patch":  # the console script pip installed beside this interpreter
+        return [os.path.join(os.path.dirname(sys.executable), "megatron-patch"), *words[1:]], stdin
     assert words[0] == "python", f"a README command this test cannot run: {command}"
     return [sys.executable, *words[1:]], stdin
 
@@ -165,11 +167,12 @@ def test_rlhf_readme_launcher_commands_run_as_written(words, tmp_path):
     # --dry-run last, where a user adds an option to the README's line (before `--`: what follows is Megatron's)
     cut = words.index("--") if "--" in words else len(words)
     argv = ["bash", os.path.join(ROOT, words[0]), *words[1:cut], "--dry-run", *words[cut:]]
-    env = {**os.environ, "PYTHON": "/nonexistent/python", "NPROC_PER_NODE": "8"}  # never starts anything
+    # --dry-run starts nothing; the launchers' Python reads the recipes and defaults (megatron_patch/recipes.py)
+    env = {**os.environ, "PYTHON": sys.executable, "NPROC_PER_NODE": "8"}
     p = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, (shlex.join(argv), p.stderr)
     cmd = [w for w in shlex.split(p.stdout) if not re.match(r"^[A-Z_]+=", w)]  # less the environment it sets
-    assert cmd[0] == "/nonexistent/python" and "megatron_patch.torchrun" in cmd, p.stdout
+    assert cmd[0] == sys.executable and "megatron_patch.torchrun" in cmd, p.stdout
     entry = cmd[cmd.index("-m", cmd.index("megatron_patch.torchrun")) + 1]
     given = cmd[cmd.index(entry) + 1:]
     if entry in ("megatron_patch.rlhf.ppo", "megatron_patch.rlhf.grpo"):  # sized by the command's own layout

@@ -9,11 +9,11 @@ import torch
 
 from megatron_patch.conversion.engine import hf_to_megatron, load_rank_state_dict, make_plan
 from megatron_patch.conversion.hf_io import read_all
+from megatron_patch.convert import main as convert
 from megatron_patch.models import Layout, build_model, get_family
 from megatron_patch.models.reward import as_reward_config, scored_values
 from megatron_patch.runtime.logits import megatron_logits
 from tests.models import any_config
-from toolkits.checkpoint_converter.__main__ import main as convert
 
 
 def hf_reward_model(cfg: dict):
@@ -102,8 +102,11 @@ def test_training_scores_the_token_an_exported_model_scores(cpu_megatron, tmp_pa
     load_rank_state_dict(model, hf_to_megatron(make_plan(cfg, Layout()), sd.__getitem__, sd.keys())[(0, 0, 0)])
     from megatron_patch.rlhf import reward_model
 
-    # the loss function training calls, on our model's per-position values
-    _, _, report = reward_model.pairwise_loss(batch["tokens"], batch["lengths"],
+    # the loss function training calls, on our model's per-position values, with the pad id its forward step
+    # reads from the model's head
+    pad = reward_model.scalar_head(model).pad_token_id
+    assert pad == cfg["pad_token_id"]
+    _, _, report = reward_model.pairwise_loss(batch["tokens"], batch["lengths"], pad,
                                               megatron_logits(model, batch["tokens"], 1))
     ours = scored_values(megatron_logits(model, batch["tokens"], 1), batch["tokens"], batch["lengths"],
                          cfg["pad_token_id"])

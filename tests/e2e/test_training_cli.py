@@ -99,7 +99,7 @@ def test_bad_input_is_one_error_line(work, tmp_path):
     """Each bad input: exit status 1 and one `error:` line naming the flag, file or split, no traceback;
     all before megatron initialises (a dataset builder that would loop forever, a division by zero, a bare
     assertion of megatron's are among them)."""
-    from toolkits.preprocess_data import preprocess
+    from megatron_patch.preprocess_data import preprocess
 
     with open(work / "corpus.jsonl") as f, open(tmp_path / "small.jsonl", "w") as out:
         for _, line in zip(range(50), f):

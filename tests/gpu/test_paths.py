@@ -51,7 +51,7 @@ def true_fp32():
 @pytest.fixture(scope="module")
 def converted(trained, tmp_path_factory):
     """The trained HF model's torch_dist conversions, for TE and for the local spec."""
-    from toolkits.checkpoint_converter.__main__ import main as convert
+    from megatron_patch.convert import main as convert
 
     root = tmp_path_factory.mktemp("converted")
     out = {}

@@ -102,8 +102,8 @@ def test_te_spec_matches_hf_and_local(world, dtype):
 @pytest.mark.smoke
 def test_converter_with_te_naming(world, tmp_path, capsys):
     from megatron_patch.conversion.hf_io import read_all
+    from megatron_patch.convert import main
     from tests.models import hf_model, llama_config, save_hf
-    from toolkits.checkpoint_converter.__main__ import main
 
     cfg = llama_config("gqa", **GPU_CFG)
     hf_dir = save_hf(hf_model(cfg), str(tmp_path / "hf"))
@@ -138,10 +138,10 @@ def test_legacy_te_checkpoint_loads_strictly(world, tmp_path):
     """The legacy writer's `_extra_state` entries are exactly a TE model's (strict load_state_dict,
     as megatron.training does for --ckpt-format torch)."""
     from megatron_patch.conversion.legacy import load_legacy_file
+    from megatron_patch.convert import main
     from megatron_patch.models import build_model
     from megatron_patch.names import LEGACY_FILE
     from tests.models import hf_model, llama_config, save_hf
-    from toolkits.checkpoint_converter.__main__ import main
 
     cfg = llama_config("gqa", **GPU_CFG)
     hf_dir = save_hf(hf_model(cfg), str(tmp_path / "hf"))

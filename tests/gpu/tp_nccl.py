@@ -41,7 +41,7 @@ def main(out_path: str) -> None:
             for impl in ("local", "transformer_engine"):
                 plan = make_plan(c.cfg, Layout(tp, pp), impl)
                 ranks = hf_to_megatron(plan, c.sd.__getitem__, c.sd.keys())
-                model = build_model(c.cfg, tp, pp, impl=impl).eval()
+                model = build_model(c.cfg, layout=Layout(tp, pp), impl=impl).eval()
                 load_rank_state_dict(model, ranks[(ps.get_tensor_model_parallel_rank(),
                                                    ps.get_pipeline_model_parallel_rank(), 0)])
                 logits[(v, impl, tp, pp)] = megatron_logits(model, ids, c.vocab_size)

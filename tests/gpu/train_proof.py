@@ -32,8 +32,8 @@ MODEL = {  # LLaMA shape, ~125M parameters with a 1000-token vocabulary
 
 
 def prepare(out: str) -> tuple[str, str]:
+    from megatron_patch.preprocess_data import preprocess
     from megatron_patch.tokenizer import CORPUS, TINY_TOKENIZER
-    from toolkits.preprocess_data import preprocess
 
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "config.json"), "w") as f:

@@ -11,10 +11,10 @@ import torch
 
 from megatron_patch.conversion.engine import hf_to_megatron, make_plan, megatron_to_hf
 from megatron_patch.conversion.hf_io import read_all
+from megatron_patch.convert import main
 from megatron_patch.models import Layout, UnsupportedConfig, get_family
 from tests.models import DROP, all_variants, case, family_config, save_case
 from tests.remote import REMOTE_VARIANTS
-from toolkits.checkpoint_converter.__main__ import main
 
 
 @pytest.mark.parametrize("impl", ["local", "transformer_engine"])

@@ -80,7 +80,7 @@ def _hybrid_rank_logits(rank: int, cfg: dict, sd: dict, ids: torch.Tensor, tp: i
     from tests import _cpu
 
     _cpu.init_model_parallel(tp, pp)
-    model = build_model(cfg, tp, pp, model_class="hybrid")
+    model = build_model(cfg, layout=Layout(tp, pp), model_class="hybrid")
     load_hf_into_rank(model, make_plan(cfg, Layout(tp, pp)), sd.__getitem__, sd.keys())  # GPT names renamed
     return megatron_logits(model.eval(), ids, int(cfg["vocab_size"]))
 
@@ -100,7 +100,7 @@ def test_hybrid_pipeline_stages_match_transformers():
 
 
 def _convert(c, tmp_path, *layout: str) -> str:
-    from toolkits.checkpoint_converter.__main__ import main
+    from megatron_patch.convert import main
 
     hf = save_case(c, str(tmp_path / "hf"))
     out = str(tmp_path / "mcore")
@@ -140,7 +140,7 @@ def test_converted_checkpoint_loads_into_hybrid(cpu_megatron, tmp_path, variant)
 
     from megatron_patch.conversion.hf_io import read_all
     from megatron_patch.conversion.torch_dist import is_hybrid_checkpoint
-    from toolkits.checkpoint_converter.__main__ import main
+    from megatron_patch.convert import main
 
     common = compat.load_torch_dist_common(ckpt.step_dir)
     shutil.rmtree(ckpt.step_dir)

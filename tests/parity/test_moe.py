@@ -10,9 +10,9 @@ import torch
 
 from megatron_patch.conversion.engine import hf_to_megatron, load_rank_state_dict, make_plan, megatron_to_hf
 from megatron_patch.conversion.hf_io import read_all
+from megatron_patch.convert import main
 from megatron_patch.models import Layout, build_model
 from tests.models import case, save_case
-from toolkits.checkpoint_converter.__main__ import main
 
 MOE = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3"]
 
@@ -125,7 +125,7 @@ def test_converter_cli_converts_and_verifies_in_a_plain_process(tmp_path, varian
     hf, out = save_case(case(variant), str(tmp_path / "hf")), str(tmp_path / "mc")
 
     def cli(*args):
-        p = subprocess.run([sys.executable, "-m", "toolkits.checkpoint_converter", *args], capture_output=True,
+        p = subprocess.run([sys.executable, "-m", "megatron_patch.convert", *args], capture_output=True,
                            text=True, timeout=300)
         assert p.returncode == 0, p.stderr[-3000:]
         return p.stdout
@@ -283,7 +283,7 @@ def _generate(rank: int, hf_dir: str, ep: int) -> list[list[int]]:
     from megatron_patch.tokenizer import build_tokenizer
 
     tok = build_tokenizer(hf_dir)
-    model, _ = load_model(None, hf_dir, ep=ep)
+    model, _ = load_model(None, hf_dir, layout=Layout(ep=ep))
     return generate(model, tok, [tok.tokenize("The module returns"), tok.tokenize("def f(x):")],
                     Sampling(6, top_k=1, stop_id=None))
 

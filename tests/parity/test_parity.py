@@ -26,3 +26,24 @@ def test_logits_match_transformers(cpu_megatron, variant):
     assert diff <= 1e-5, f"{variant}: max abs logit diff {diff}"
     # the model is not trivially constant: logits vary across positions and vocab
     assert ref.std() > 0.1
+
+
+def test_build_model_takes_a_layout_and_still_the_old_tp_pp_form(cpu_megatron):
+    """`build_model(cfg, layout=Layout(...))`; the older `build_model(cfg, tp, pp, ...)` and `tp=` / `pp=`
+    keywords give the same model with a DeprecationWarning; both forms at once, or impl / dtype passed by
+    position, are a TypeError naming the form."""
+    c = case("gqa")
+    torch.manual_seed(0)
+    new = build_model(c.cfg, layout=Layout(1, 1, 64))
+    with pytest.warns(DeprecationWarning, match=r"pass layout=Layout\(tp, pp"):
+        torch.manual_seed(0)
+        old = build_model(c.cfg, 1, 1, make_vocab_size_divisible_by=64)
+    with pytest.warns(DeprecationWarning):
+        build_model(c.cfg, tp=1)
+    assert new.state_dict().keys() == old.state_dict().keys()
+    assert all(torch.equal(new.state_dict()[k], old.state_dict()[k]) for k in new.state_dict()
+               if isinstance(new.state_dict()[k], torch.Tensor))
+    with pytest.raises(TypeError, match="pass the layout once"):
+        build_model(c.cfg, 1, layout=Layout())
+    with pytest.raises(TypeError, match="keyword-only"):
+        build_model(c.cfg, 1, 1, "local")

@@ -33,7 +33,7 @@ def _ours(rank: int, variant: str, tp: int) -> torch.Tensor:
     c = case(variant)
     me = current_rank()
     state = hf_to_megatron(make_plan(c.cfg, Layout(tp, 1)), c.sd.__getitem__, c.sd.keys(), tp_ranks=[me[0]])[me]
-    model = build_model(c.cfg, tp).eval()
+    model = build_model(c.cfg, layout=Layout(tp)).eval()
     load_rank_state_dict(model, state)
     assert model.vocab_size > c.vocab_size  # padded: the case this test is about
     return token_logps(model, *_inputs(c), c.vocab_size)

@@ -45,9 +45,9 @@ def test_torch_dist_files_match_megatron_cores_own_save(cpu_megatron, tmp_path):
     `common.pt`, under 0.19 none — and megatron-core's own `load_common_state_dict` reads its args back."""
     from megatron.core import dist_checkpointing
 
+    from megatron_patch.convert import main
     from megatron_patch.models import build_model, load_hf_config
     from tests.models import hf_model, llama_config, save_hf
-    from toolkits.checkpoint_converter.__main__ import main
 
     hf = save_hf(hf_model(llama_config()), str(tmp_path / "hf"))
     ours = tmp_path / "ours"
@@ -73,8 +73,8 @@ def test_either_common_state_place_converts_under_the_installed_release(cpu_mega
     written under the other release converts here: `mcore-to-mcore` rewrites it in this release's layout
     and back to HF it is bitwise the source."""
     from megatron_patch.conversion.hf_io import read_all
+    from megatron_patch.convert import main
     from tests.models import hf_model, llama_config, save_hf
-    from toolkits.checkpoint_converter.__main__ import main
 
     hf = save_hf(hf_model(llama_config("tied")), str(tmp_path / "hf"))
     with monkeypatch.context() as m:

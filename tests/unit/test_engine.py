@@ -94,6 +94,32 @@ def test_bad_layouts(overrides, tp, pp, match):
         make_plan(llama_config("gqa", **overrides), Layout(tp, pp))
 
 
+@pytest.mark.parametrize("layout,match", [
+    (Layout(2, 1, vpp=2), "VPP=2: a virtual pipeline needs PP > 1"),
+    (Layout(1, 2, vpp=3), r"PP x VPP dividing the 4 layers \(PP=2\)"),
+    (Layout(1, 1, cp=0), "parallel sizes must be >= 1 \\(got CP=0\\)"),
+    (Layout(1, 1, ep=2), "EP=2: llama has no experts to split"),
+])
+def test_bad_layouts_of_the_complete_layout(layout, match):
+    """The one layout check (`Layout.check`, run by every plan and model build) covers the virtual pipeline,
+    context and expert sizes too."""
+    with pytest.raises(ValueError, match=match):
+        make_plan(llama_config("gqa"), layout)
+    make_plan(llama_config("gqa"), Layout(1, 2, vpp=2, cp=2))  # 4 layers: PP 2 x VPP 2, any CP
+
+
+def test_layout_from_megatron_args():
+    """Megatron-LM's parsed arguments name every size; a missing optional one takes its default."""
+    from argparse import Namespace
+
+    args = Namespace(tensor_model_parallel_size=2, pipeline_model_parallel_size=4, make_vocab_size_divisible_by=64,
+                     expert_model_parallel_size=2, expert_tensor_parallel_size=1, context_parallel_size=2,
+                     virtual_pipeline_model_parallel_size=3)
+    assert Layout.from_megatron_args(args) == Layout(2, 4, 64, ep=2, etp=1, cp=2, vpp=3)
+    old = Namespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, make_vocab_size_divisible_by=128)
+    assert Layout.from_megatron_args(old) == Layout()
+
+
 @pytest.mark.parametrize("variant,tp", [("mqa", 2), ("gqa", 4)])
 def test_kv_heads_replicated_when_tp_exceeds_them(variant, tp):
     """One kv head at TP=2 (two at TP=4): megatron gets TP query groups, each HF kv head copied to

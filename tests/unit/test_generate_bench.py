@@ -106,9 +106,10 @@ def test_engine_probe_at_the_tiny_shape_on_cpu(tmp_path, cpu_megatron, capsys):
     token; async scheduling may launch one more) and lists --top functions by own time."""
     import pytest
 
+    from megatron_patch import compat
     from megatron_patch.inference import dynamic
 
-    if not dynamic.async_scheduling_available():
+    if not compat.async_scheduling_available():
         pytest.skip("megatron-core < 0.19 has no asynchronous scheduling")
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     try:

@@ -81,3 +81,11 @@ def test_the_moved_pipeline_module_keeps_its_old_name():
     assert any(issubclass(w.category, DeprecationWarning) and "runtime.pipeline" in str(w.message) for w in caught)
     assert old.forward_backward is pipeline.forward_backward
     assert old.share_embedding_grads is pipeline.share_embedding_grads
+
+
+def test_the_converter_and_preprocessing_commands_are_imported_by_no_library_module():
+    """`megatron_patch.convert`, `megatron_patch.preprocess_data` and the `megatron-patch` dispatcher are the
+    command layer: only the dispatcher names them (by module name), no library module imports them."""
+    commands = {"megatron_patch.convert", "megatron_patch.preprocess_data", "megatron_patch.__main__"}
+    graph = _graph()
+    assert not {m: sorted(ts & commands) for m, ts in graph.items() if ts & commands}

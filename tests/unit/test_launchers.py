@@ -4,10 +4,17 @@ ones over examples/launch.sh, all sharing examples/common.sh) and the recipes of
 
 --dry-run prints the full torchrun command (named options, recipe values, defaults, environment-sized torchrun
 run by $PYTHON through megatron_patch.torchrun, Megatron arguments passed through); --help prints the usage; a
-launcher's own options count wherever they stand (before `--`). Every recipe parses (here and in
-bash, with the same result), its layout is valid for the released model's facts at its GPU count
-(`Layout.check`, experts, virtual pipeline, data-parallel batch), each task's command carries its values, and
-the family README's table is the one the recipes give."""
+launcher's own options count wherever they stand (before `--`). The recipe rules are megatron_patch.recipes'
+(the launchers ask `python -m megatron_patch.recipes` for their values; these tests import it): every recipe
+parses, its layout is valid for the released model's facts at its GPU count (`Layout.check`, experts, virtual
+pipeline, data-parallel batch), each task's command (bash) carries the values `task_values` gives, and the family
+README's table is the one the recipes give.
+
+The launchers run with PATH=/usr/bin:/bin plus a folder whose `python` (launcher_python) runs this test's interpreter
+for `python -m megatron_patch.recipes` only, which they need even with --dry-run: anything else, torchrun
+included, fails at once, so a launcher that would start a command instead of printing it fails fast (as
+/nonexistent/python, NO_PYTHON, did when the launchers needed no Python before starting one; --help and the
+online launchers still do not)."""
 
 from __future__ import annotations
 
@@ -16,10 +23,12 @@ import os
 import re
 import shlex
 import subprocess
+import sys
 
 import pytest
 
 from megatron_patch.models import Layout, families
+from megatron_patch.recipes import DEFAULTS, RecipeError, cpu_note, read_recipe, task_values
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLES = os.path.join(ROOT, "examples")
@@ -29,38 +38,31 @@ TASKS = {"PRETRAIN": ("pretrain.sh", "megatron_patch.pretrain"), "SFT": ("sft.sh
          "RM": ("../rlhf/rm.sh", "megatron_patch.rlhf.reward_model"),
          "DPO": ("../rlhf/dpo.sh", "megatron_patch.rlhf.dpo")}
 TORCHRUN = "megatron_patch.torchrun"  # torch.distributed.run, ending as the package's tools end
-NO_PYTHON = "/nonexistent/python"  # a launcher that would start torchrun fails at once instead
-DEFAULTS = {"TP": "1", "PP": "1", "VPP": "1", "CP": "1", "EP": "1", "ETP": "", "SEQ": "4096", "MBS": "1",
-            "GBS": "32", "PRECISION": "bf16", "PROFILE": "default", "GPU_ARGS": ""}
-LINE = re.compile(r'^([A-Z0-9_]+)=(?:"([^"]*)"|([^\s"#]*))\s*(?:#.*)?$')
+NO_PYTHON = "/nonexistent/python"  # what needs no Python (--help, the online launchers' --dry-run) runs without
+_BIN: dict[str, str] = {}  # "dir": the folder of the launchers' `python` (launcher_python)
 
 
-def read_recipe(path: str) -> dict[str, str]:
-    """A recipe file as {KEY: VALUE} (the format examples/launch.sh reads: KEY=VALUE lines, # comments)."""
-    out = {}
-    for n, line in enumerate(open(path, encoding="utf-8"), 1):
-        if not line.strip() or line.lstrip().startswith("#"):
-            continue
-        m = LINE.match(line.rstrip("\n"))
-        assert m, f"{path}:{n}: {line!r}"
-        out[m[1]] = m[2] if m[2] is not None else m[3]
-    return out
-
-
-def task_values(recipe: dict[str, str], task: str) -> dict[str, str]:
-    """What the launcher uses for `task`: the task's own key, else the recipe's, else the launcher's default."""
-    out = {k: recipe.get(f"{task}_{k}", recipe.get(k, DEFAULTS.get(k))) for k in (*DEFAULTS, "LR")}
-    own_lr = f"{task}_LR" in recipe  # a recipe's MIN_LR goes with its LR, not with a task's own LR
-    out["MIN_LR"] = recipe.get(f"{task}_MIN_LR", recipe.get("MIN_LR") if not own_lr else None) or \
-        f"{float(out['LR']) / 10:g}"
-    return out
+@pytest.fixture(autouse=True, scope="module")
+def launcher_python(tmp_path_factory) -> str:
+    """The launchers' `python` (first on their PATH, the path returned): `python -m megatron_patch.recipes` runs
+    this test's interpreter; anything else (torchrun) fails at once, saying what it would have started."""
+    folder = tmp_path_factory.mktemp("bin")
+    python = folder / "python"
+    python.write_text(f'#!/bin/sh\nif [ "$1" = -m ] && [ "$2" = megatron_patch.recipes ]; then\n'
+                      f'  exec {shlex.quote(sys.executable)} "$@"\nfi\n'
+                      f'echo "the test\'s python starts nothing: $*" >&2\nexit 127\n')
+    python.chmod(0o755)
+    _BIN["dir"] = str(folder)
+    return str(python)
 
 
 def _lines(script: str, *args: str, dry_run: bool = True, **env: str) -> tuple[int, list[list[str]], str]:
-    """(exit status, the words of each line printed on stdout, stderr) of a launcher."""
-    environ = {k: v for k, v in os.environ.items() if k not in ("NPROC_PER_NODE", "NNODES", "MODEL", "DATA")}
+    """(exit status, the words of each line printed on stdout, stderr) of a launcher (`python`: launcher_python)."""
+    environ = {k: v for k, v in os.environ.items()
+               if k not in ("NPROC_PER_NODE", "NNODES", "MODEL", "DATA", "PYTHON")}
     p = subprocess.run(["bash", os.path.join(EXAMPLES, script), *(["--dry-run"] if dry_run else []), *args],
-                       capture_output=True, text=True, env={**environ, "PATH": "/usr/bin:/bin", **env})
+                       capture_output=True, text=True,
+                       env={**environ, "PATH": f"{_BIN['dir']}:/usr/bin:/bin", **env})
     return p.returncode, [shlex.split(line) for line in p.stdout.splitlines()] if p.returncode == 0 else [], p.stderr
 
 
@@ -152,33 +154,35 @@ def test_missing_required_options_and_a_layout_the_world_cannot_hold():
     assert code == 1 and "error: TP x PP x CP = 8 does not divide the 4 processes" in err
 
 
-def test_own_options_count_wherever_they_stand():
+def test_own_options_count_wherever_they_stand(launcher_python):
     """A launcher option after Megatron's (a late --dry-run, --tp, --cpu) is the launcher's: it prints the command
-    instead of starting it, and sizes the layout; after `--` every word is Megatron's."""
+    instead of starting it (launcher_python would refuse to start it), and sizes the layout; after `--` every word
+    is Megatron's."""
     code, cmd, err = _run("pretrain.sh", "--model", "m", "--data", "d", "--recompute-activations", "--tp", "2",
                           "--cpu", "--dry-run", "--", "--seed", "7", "--tp", dry_run=False, NPROC_PER_NODE="2",
-                          PYTHON=NO_PYTHON)
+                          PYTHON=launcher_python)
     assert code == 0, err
     assert _opt(cmd, "--tensor-model-parallel-size") == "2" and "--cpu" in cmd and _opt(cmd, "--precision") == "fp32"
     assert cmd[-4:] == ["--recompute-activations", "--seed", "7", "--tp"]
 
 
 @pytest.mark.parametrize("tool", ["generate", "evaluate"])
-def test_generate_and_evaluate_launchers(tool, tmp_path):
+def test_generate_and_evaluate_launchers(tool, tmp_path, launcher_python):
     """examples/generate.sh / evaluate.sh: CKPT and the entry point's options, --tp/--pp/--ep sizing torchrun
     (TP x PP x EP processes on this node), --recipe (its layout; without CKPT its HF folder) and --dry-run,
-    wherever they stand; usage errors are one `error:` line before torchrun starts."""
+    wherever they stand; usage errors are one `error:` line before torchrun starts (launcher_python would refuse
+    to start it)."""
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     for args, match in (((), "CKPT"), ((str(tmp_path / "none"),), f"{tmp_path / 'none'}: no such folder"),
                         ((str(ckpt), "--tp", "0"), "--tp takes a positive integer, got '0'"),
                         (("--recipe", "llama/Llama-9B"), "--recipe llama/Llama-9B: no such recipe")):
-        code, _, err = _run(f"{tool}.sh", *args, dry_run=False, PYTHON=NO_PYTHON)
+        code, _, err = _run(f"{tool}.sh", *args, dry_run=False, PYTHON=launcher_python)
         assert code == 1 and err.startswith("error: ") and len(err.splitlines()) == 1 and match in err, (args, err)
     code, cmd, err = _run(f"{tool}.sh", str(ckpt), "--prompts", "p.jsonl", "--tp", "2", "--pp", "2", "--dry-run",
-                          dry_run=False, PYTHON=NO_PYTHON)
+                          dry_run=False, PYTHON=launcher_python)
     assert code == 0, err
-    assert cmd[:3] == [NO_PYTHON, "-m", TORCHRUN] and _opt(cmd, "--nproc_per_node") == "4"
+    assert cmd[:3] == [launcher_python, "-m", TORCHRUN] and _opt(cmd, "--nproc_per_node") == "4"
     assert _entry(cmd) == f"megatron_patch.{tool}"
     assert _entry_args(cmd) == ["--mcore-dir", str(ckpt), "--tp", "2", "--pp", "2", "--ep", "1", "--prompts",
                                 "p.jsonl"]
@@ -196,8 +200,6 @@ def test_generate_and_evaluate_launchers(tool, tmp_path):
 def test_entry_point_usage_errors_come_before_the_workers(tmp_path):
     """An option the entry point does not take: one `error:` line (argparse's message) and exit 2, from the
     launcher itself, before any worker starts (no usage block per rank, no torchrun report)."""
-    import sys
-
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     code, _, err = _run("generate.sh", str(ckpt), "--prompts", "p.jsonl", "--no-such-option", dry_run=False,
@@ -206,20 +208,20 @@ def test_entry_point_usage_errors_come_before_the_workers(tmp_path):
                                                       "megatron_patch.generate --help lists the options)"], err
 
 
-def test_convert_launcher(tmp_path):
+def test_convert_launcher(launcher_python):
     """examples/convert.sh HF_DIR OUT: hf-to-mcore at the layout asked (or the recipe's), then verify; --recipe alone
-    names the HF folder; --dry-run prints both commands."""
+    names the HF folder; --dry-run prints both commands (launcher_python would refuse to start them)."""
     for args, match in (((), "HF folder"), (("only_one",), "HF folder")):
-        code, _, err = _run("convert.sh", *args, dry_run=False, PYTHON=NO_PYTHON)
+        code, _, err = _run("convert.sh", *args, dry_run=False, PYTHON=launcher_python)
         assert code == 1 and err.startswith("error: ") and len(err.splitlines()) == 1 and match in err, err
     code, lines, err = _lines("convert.sh", "hf", "out", "--tp", "2", "--dtype", "bf16", "--dry-run", dry_run=False,
-                              PYTHON=NO_PYTHON)
+                              PYTHON=launcher_python)
     assert code == 0, err
-    converter = [NO_PYTHON, "-m", "toolkits.checkpoint_converter"]
+    converter = [launcher_python, "-m", "megatron_patch.convert"]
     assert lines == [converter + ["hf-to-mcore", "--hf-dir", "hf", "--out", "out", "--tp", "2", "--pp", "1", "--ep",
                                   "1", "--dtype", "bf16"],
                      converter + ["verify", "--hf-dir", "hf", "--mcore-dir", "out"]]
-    code, lines, err = _lines("convert.sh", "--recipe", "llama/Llama-3.1-70B", "out", PYTHON=NO_PYTHON)
+    code, lines, err = _lines("convert.sh", "--recipe", "llama/Llama-3.1-70B", "out", PYTHON=launcher_python)
     assert code == 0, err
     assert lines[0][3:] == ["hf-to-mcore", "--hf-dir", "Llama-3.1-70B", "--out", "out", "--tp", "4", "--pp", "4",
                             "--ep", "1"]
@@ -272,9 +274,12 @@ def test_help_prints_the_launchers_usage(script):
         assert p.returncode == 0 and "--recipe" in p.stdout and "--dry-run" in p.stdout, (tool, p.stdout, p.stderr)
 
 
-def test_python_variable_runs_torch_distributed():
-    code, cmd, _ = _run("pretrain.sh", "--model", "m", "--data", "corpus", PYTHON="/opt/venv/bin/python")
-    assert code == 0 and cmd[1:4] == ["/opt/venv/bin/python", "-m", TORCHRUN]
+def test_python_variable_runs_torch_distributed(launcher_python):
+    """$PYTHON (an interpreter of one's own, here launcher_python by its path) works out the values and runs
+    torchrun; the launchers' own `python` is not asked."""
+    code, cmd, err = _run("pretrain.sh", "--model", "m", "--data", "corpus", PYTHON=launcher_python,
+                          PATH="/usr/bin:/bin")
+    assert code == 0 and cmd[1:4] == [launcher_python, "-m", TORCHRUN], err
 
 
 def test_split_is_an_option_not_hard_coded():
@@ -323,11 +328,9 @@ def test_recipe_layout_is_valid_for_the_released_model(path):
         v = task_values(recipe, task)
         tp, pp, vpp, cp, ep, mbs, gbs = (int(v[k]) for k in ("TP", "PP", "VPP", "CP", "EP", "MBS", "GBS"))
         etp = int(v["ETP"] or tp)
-        layout = Layout(tp=tp, pp=pp, ep=ep, etp=etp)
-        layout.check(layers, heads, kv)
-        assert layers % (pp * vpp) == 0, (task, "PP x VPP must divide the layers")
-        assert vpp == 1 or pp > 2, (task, "megatron's interleaved schedule needs PP > 2")
-        assert experts % ep == 0 and (ep == 1 or experts), (task, "EP must divide the experts")
+        # the one layout check (PP x VPP dividing the layers, EP the experts, ...), as the converter runs it
+        Layout(tp=tp, pp=pp, ep=ep, etp=etp, cp=cp, vpp=vpp if vpp > 1 else None).check(layers, heads, kv, experts)
+        assert vpp == 1 or pp > 2, (task, "megatron's interleaved schedule needs PP > 2 (without p2p overlap)")
         assert gpus % (tp * pp * cp) == 0 and (gpus // pp) % (ep * etp) == 0, (task, "whole replicas")
         dp = gpus // (tp * pp * cp)
         assert gbs % (mbs * dp) == 0, (task, f"global batch {gbs} vs micro-batch {mbs} x DP {dp}")
@@ -382,9 +385,16 @@ def megatron_accepts(cmd: list[str], recipe: dict[str, str], monkeypatch) -> Non
         megatron_args.validate_args(megatron_args.parse_args(), {})
 
 
+# the launcher's command-line flag of each value that is always on it
+FLAGS = {"--tensor-model-parallel-size": "TP", "--pipeline-model-parallel-size": "PP", "--context-parallel-size": "CP",
+         "--expert-model-parallel-size": "EP", "--seq-length": "SEQ", "--micro-batch-size": "MBS",
+         "--global-batch-size": "GBS", "--lr": "LR", "--min-lr": "MIN_LR", "--precision": "PRECISION",
+         "--throughput-profile": "PROFILE"}
+
+
 @pytest.mark.parametrize("path", RECIPES, ids=RECIPE_IDS)
 def test_recipe_gives_each_tasks_command(path, monkeypatch):
-    """The launcher (bash) reads the recipe as read_recipe does and puts each task's values on its command line,
+    """The launcher (bash) gets each task's values as task_values gives them and puts them on its command line,
     which Megatron-LM's argument checks accept at the recipe's GPU count; the recipe's model folder is the
     default --model."""
     recipe, rid = read_recipe(path), os.path.relpath(path, EXAMPLES)[:-4]
@@ -396,11 +406,7 @@ def test_recipe_gives_each_tasks_command(path, monkeypatch):
         assert code == 0, (task, err)
         assert _entry(cmd) == entry
         assert _opt(cmd, "--tokenizer-model") == recipe["HF_ID"].split("/")[-1]
-        flags = {"--tensor-model-parallel-size": "TP", "--pipeline-model-parallel-size": "PP",
-                 "--context-parallel-size": "CP", "--expert-model-parallel-size": "EP", "--seq-length": "SEQ",
-                 "--micro-batch-size": "MBS", "--global-batch-size": "GBS", "--lr": "LR", "--min-lr": "MIN_LR",
-                 "--precision": "PRECISION", "--throughput-profile": "PROFILE"}
-        assert {flag: _opt(cmd, flag) for flag in flags} == {flag: v[key] for flag, key in flags.items()}, task
+        assert {flag: _opt(cmd, flag) for flag in FLAGS} == {flag: v[key] for flag, key in FLAGS.items()}, task
         assert ("--num-virtual-stages-per-pipeline-rank" in cmd) == (v["VPP"] != "1")
         if v["VPP"] != "1":
             assert _opt(cmd, "--num-virtual-stages-per-pipeline-rank") == v["VPP"]
@@ -459,6 +465,114 @@ def test_recipe_errors(tmp_path):
     code, cmd, err = _run("pretrain.sh", "--recipe", str(own), "--model", "m", "--data", "d", NPROC_PER_NODE="2")
     assert code == 0 and (_opt(cmd, "--lr"), _opt(cmd, "--min-lr"), _opt(cmd, "--global-batch-size")) == \
         ("3e-4", "3e-5", "32"), err
+
+
+def test_defaults_without_a_recipe():
+    """No recipe: the launcher's command carries DEFAULTS, MIN_LR the LR / 10; an empty ETP and GPU_ARGS and a VPP
+    of 1 put nothing on it."""
+    code, cmd, err = _run("pretrain.sh", "--model", "m", "--data", "d")
+    assert code == 0, err
+    v = task_values(None, "PRETRAIN")
+    assert v == {**DEFAULTS, "MIN_LR": "3e-05"}
+    assert {flag: _opt(cmd, flag) for flag in FLAGS} == {flag: v[key] for flag, key in FLAGS.items()}
+    assert "--expert-tensor-parallel-size" not in cmd and "--num-virtual-stages-per-pipeline-rank" not in cmd
+    assert cmd[cmd.index("--use-distributed-optimizer") + 1:] == []
+
+
+def test_read_recipe_names_the_line(tmp_path):
+    """megatron_patch.recipes.read_recipe: KEY=VALUE lines (bare or double-quoted, a # comment after), # comments
+    and blank lines; a line of another form, or a key no task knows, is a RecipeError naming FILE:LINE (the
+    launchers' one `error:` line)."""
+    path = tmp_path / "r.env"
+    path.write_text('# a comment\n\n  \t# indented\nTP=2  # two\nGPU_ARGS="--a --b"  \nSFT_LR=1e-5\nETP=\n'
+                    'PP=1\r\nPP=4')
+    assert read_recipe(str(path)) == {"TP": "2", "GPU_ARGS": "--a --b", "SFT_LR": "1e-5", "ETP": "", "PP": "4"}
+    for body, line, what in (("TP=2\nTP 4\n", 2, "not a KEY=VALUE line: TP 4"),
+                             ("TP=2\n\nGPU_ARGS=--a --b\n", 3, "not a KEY=VALUE line: GPU_ARGS=--a --b"),
+                             ('SEQ="4096\n', 1, 'not a KEY=VALUE line: SEQ="4096'),
+                             ("tp=2\n", 1, "not a KEY=VALUE line: tp=2"),
+                             ("# x\nTENSOR=4\n", 2, "unknown key TENSOR (keys: HF_ID "),
+                             ("SFT_PRECISION=fp8\n", 1, "unknown key SFT_PRECISION"),
+                             ("PPO_LR=1e-6\n", 1, "unknown key PPO_LR")):
+        path.write_text(body)
+        with pytest.raises(RecipeError) as e:
+            read_recipe(str(path))
+        assert str(e.value).startswith(f"{path}:{line}: {what}"), str(e.value)
+
+
+def test_task_values_rules():
+    """task_values, the launcher's rules: the option given, else the task's key, else the recipe's, else DEFAULTS
+    (an empty value is none); a recipe's LR is pretraining's and its MIN_LR goes with it (not with a task's own LR
+    nor a given one); MIN_LR defaults to the LR / 10 as awk's %g prints it; --lora's LR 1e-4; --cpu's fp32, no
+    GPU_ARGS, and the recipe's VPP and CP left out (cpu_note says so) unless given."""
+    recipe = {"TP": "2", "SFT_TP": "4", "PP": "", "SEQ": "8192", "SFT_SEQ": "", "LR": "2e-4", "MIN_LR": "1e-5",
+              "SFT_LR": "1e-5", "PRETRAIN_VPP": "3", "CP": "2", "GPU_ARGS": "--x", "PRECISION": "fp8"}
+    v = task_values(recipe, "PRETRAIN")
+    assert [v[k] for k in ("TP", "PP", "VPP", "CP", "SEQ", "LR", "MIN_LR", "PRECISION", "GPU_ARGS")] == \
+        ["2", "1", "3", "2", "8192", "2e-4", "1e-5", "fp8", "--x"]
+    v = task_values(recipe, "SFT", {"MBS": "2", "PP": "", "GBS": ""})
+    assert [v[k] for k in ("TP", "PP", "VPP", "SEQ", "MBS", "GBS", "LR", "MIN_LR")] == \
+        ["4", "1", "1", "8192", "2", "32", "1e-5", "1e-06"]
+    assert task_values(recipe, "PRETRAIN", {"LR": "1e-3"})["MIN_LR"] == "0.0001"  # not the recipe's 1e-5
+    assert task_values(recipe, "PRETRAIN", {"LR": "1e-3", "MIN_LR": "0"})["MIN_LR"] == "0"
+    assert task_values({**recipe, "PRETRAIN_MIN_LR": "7e-6"}, "PRETRAIN")["MIN_LR"] == "7e-6"
+    assert task_values({**recipe, "SFT_MIN_LR": "3e-6"}, "SFT")["MIN_LR"] == "3e-6"
+    with pytest.raises(RecipeError, match=r"^recipe r sets no RM_LR \(its LR is for pretraining\): pass --lr$"):
+        task_values(recipe, "RM", name="r")
+    assert task_values(recipe, "RM", {"LR": "3e-6"})["MIN_LR"] == "3e-07"
+    assert [task_values(recipe, t, lora=True)[k] for t in ("RM", "SFT") for k in ("LR", "MIN_LR")] == \
+        ["1e-4", "1e-05", "1e-4", "1e-05"]  # LoRA's LR, even over the task's own
+    assert task_values(recipe, "SFT", {"LR": "3e-4"}, lora=True)["LR"] == "3e-4"
+    assert task_values({}, "PRETRAIN") == task_values(None, "PRETRAIN") == {**DEFAULTS, "MIN_LR": "3e-05"}
+    with pytest.raises(RecipeError, match="sets no SFT_LR"):
+        task_values({}, "SFT", name="empty")  # a recipe without SFT_LR, even an empty one
+    v = task_values(recipe, "PRETRAIN", cpu=True)
+    assert [v[k] for k in ("TP", "VPP", "CP", "PRECISION", "GPU_ARGS")] == ["2", "1", "1", "fp32", ""]
+    assert cpu_note(recipe, "PRETRAIN", {}, "r") == ("note: --cpu leaves out what a CPU run cannot use: recipe r's "
+                                                    "virtual pipeline (VPP 3), context parallelism (CP 2)")
+    v = task_values(recipe, "PRETRAIN", {"VPP": "2", "PRECISION": "bf16"}, cpu=True)
+    assert [v[k] for k in ("VPP", "CP", "PRECISION")] == ["2", "1", "bf16"]
+    assert cpu_note(recipe, "PRETRAIN", {"VPP": "2"}, "r").endswith("recipe r's context parallelism (CP 2)")
+    assert cpu_note(recipe, "SFT", {"CP": "2"}, "r") is None and cpu_note(None, "PRETRAIN") is None
+    with pytest.raises(RecipeError, match="--lr takes a number, got '1e-3x'"):
+        task_values(None, "PRETRAIN", {"LR": "1e-3x"})
+    assert task_values(None, "PRETRAIN", {"LR": "1e-3x", "MIN_LR": "1e-4"})["LR"] == "1e-3x"  # Megatron says
+    for lr in ("3e-4", "1.5e-4", "1e-3", "5e-07", "0.00025", "1", "2.5E-5", ".3", "7."):
+        awk = subprocess.run(["awk", f'BEGIN {{ printf "%g", {lr} / 10 }}'], capture_output=True, text=True).stdout
+        assert task_values(None, "PRETRAIN", {"LR": lr})["MIN_LR"] == awk, lr
+
+
+def test_recipes_command_line(tmp_path):
+    """python -m megatron_patch.recipes, which the launchers ask: the values as shell assignments bash can eval
+    (quoted), a recipe's error as one `error:` line and exit 1 (no traceback), --cpu's note on stderr; the module
+    imports no torch, megatron, toolkits or command-line module."""
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "megatron_patch.recipes", *args], capture_output=True, text=True)
+
+    p = run("--recipe", "llama/Llama-3.1-70B", "--task", "SFT", "TP=", "PP=2", "GPU_ARGS", "MODEL", "GPUS")
+    assert p.returncode == 0 and p.stderr == "", p.stderr
+    assert p.stdout.splitlines() == ["TP=4", "PP=2", "GPU_ARGS='--sequence-parallel --overlap-grad-reduce "
+                                     "--overlap-param-gather'", "MODEL=Llama-3.1-70B", "GPUS=32"]
+    odd = "a b'c $(exit 3) \"d\"\n*"
+    p = subprocess.run(["bash", "-c", 'eval "$("$0" -m megatron_patch.recipes MODEL="$1")"; printf %s "$MODEL"',
+                        sys.executable, odd], capture_output=True, text=True)
+    assert p.returncode == 0 and p.stdout == odd, p.stderr
+    own = tmp_path / "own.env"
+    own.write_text("TP=2\n")
+    for args, message in ((("--recipe", "llama/Llama-9B"), "error: --recipe llama/Llama-9B: no such recipe "
+                           "(examples/<family>/README.md lists them: FAMILY/MODEL)"),
+                          (("--recipe", str(own), "--task", "DPO", "LR="), f"error: recipe {own} sets no DPO_LR "
+                           "(its LR is for pretraining): pass --lr")):
+        p = run(*args)
+        assert p.returncode == 1 and p.stdout == "" and p.stderr.splitlines() == [message], p.stderr
+    p = run("--recipe", "llama/Llama-3.1-70B", "--task", "PRETRAIN", "--cpu", "VPP", "CP=", "PRECISION")
+    assert p.returncode == 0 and p.stdout.splitlines() == ["VPP=1", "CP=1", "PRECISION=fp32"]
+    assert p.stderr.splitlines() == ["note: --cpu leaves out what a CPU run cannot use: recipe llama/Llama-3.1-70B's "
+                                     "virtual pipeline (VPP 5), context parallelism (CP 2)"]
+    p = subprocess.run([sys.executable, "-c", "import sys, megatron_patch.recipes; print(sorted(m for m in sys.modules "
+                        "if m.split('.')[0] in ('torch', 'megatron', 'toolkits') or m == 'megatron_patch.cli'))"],
+                       capture_output=True, text=True)
+    assert p.returncode == 0 and p.stdout.strip() == "[]", (p.stdout, p.stderr)
 
 
 # ---- READMEs -----------------------------------------------------------------------------------------------

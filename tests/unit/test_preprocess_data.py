@@ -1,4 +1,4 @@
-"""toolkits.preprocess_data: JSONL(.gz) -> Megatron indexed dataset, read back token for token; bad input."""
+"""megatron-patch preprocess-data: JSONL(.gz) -> Megatron indexed dataset, read back token for token; bad input."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import sys
 import numpy
 import pytest
 
+from megatron_patch.preprocess_data import main, output_paths, preprocess
 from megatron_patch.tokenizer import CORPUS, TINY_TOKENIZER, build_tokenizer
-from toolkits.preprocess_data import main, output_paths, preprocess
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -101,7 +101,7 @@ def test_json_key_and_gpt_dataset(tmp_path, tok, texts):
 def test_cli(tmp_path, tok, texts):
     src = write_jsonl(tmp_path / "in.jsonl.gz", texts[:40])
     env = dict(os.environ, PYTHONPATH=ROOT, TORCHDYNAMO_DISABLE="1")
-    proc = subprocess.run([sys.executable, "-m", "toolkits.preprocess_data", "--input", src, "--output-prefix",
+    proc = subprocess.run([sys.executable, "-m", "megatron_patch.preprocess_data", "--input", src, "--output-prefix",
                            str(tmp_path / "cli"), "--tokenizer", TINY_TOKENIZER, "--workers", "2",
                            "--append-eod"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -228,7 +228,7 @@ def test_worker_pool_terminates_right_after_its_start():
     (megatron_patch.cli.run) Python drops a signal that reaches a child before its after-fork setup, and
     `Pool.terminate()` right after the start (an input with no tokens) waited forever on such a worker. In a
     child process with a timeout, so that a regression fails instead of hanging the suite."""
-    code = ("import signal\nfrom toolkits.preprocess_data import _fork_pool\n"
+    code = ("import signal\nfrom megatron_patch.preprocess_data import _fork_pool\n"
             "signal.signal(signal.SIGTERM, lambda s, f: (_ for _ in ()).throw(KeyboardInterrupt()))\n"
             f"for _ in range(100):\n    _fork_pool(2, {TINY_TOKENIZER!r}, 'text').terminate()\n")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=300)

@@ -50,11 +50,11 @@ def test_layout_table_is_valid_for_the_shapes():
 @pytest.mark.parametrize("shape, par, gpus, match", [
     ("8b-full", P(tp=3), 3, "does not divide the 32 attention heads"),
     ("8b-full", P(pp=3), 3, "does not divide the 32 layers"),
-    ("8b-full", P(pp=2, vp=3), 2, "PP x VP dividing the 32 layers"),
-    ("8b-full", P(vp=2), 2, "VP=2 needs PP > 1"),
+    ("8b-full", P(pp=2, vp=3), 2, "PP x VPP dividing the 32 layers"),
+    ("8b-full", P(vp=2), 2, "VPP=2: a virtual pipeline needs PP > 1"),
     ("8b-full", P(cp=3), 3, "2 x CP equal chunks"),
     ("8b-full", P(tp=2, pp=2), 6, "TP x PP x CP = 4 does not divide 6 GPUs"),
-    ("8b-full", P(ep=2), 2, "EP=2 does not divide the 0 experts"),
+    ("8b-full", P(ep=2), 2, "EP=2: the model has no experts to split"),
     ("mixtral-8l", P(ep=3), 3, "EP=3 does not divide the 8 experts"),
     ("mixtral-8l", P(tp=2, ep=4), 4, "EP=4 does not divide the 2 ranks"),
 ])
