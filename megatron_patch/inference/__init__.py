@@ -36,7 +36,8 @@ def load_model(mcore_dir: str | None, hf_dir: str | None, *, layout=None, impl: 
     family = get_family(cfg)
     model = build_model(cfg, layout=layout, impl=impl, dtype=dtype, perform_initialization=False, family=family)
     ckpt = HFCheckpoint(hf_dir)
-    load_hf_into_rank(model, make_plan(cfg, layout, impl, family), ckpt.get, ckpt.keys(), dtype)
+    load_hf_into_rank(model, make_plan(cfg, layout, impl, family), ckpt.get, ckpt.keys(), dtype,
+                      reader=ckpt)  # this rank's TP slices only, where the mapping allows
     return model.eval(), cfg
 
 

@@ -53,7 +53,8 @@ def fuse_te_wgrad(model, wanted: bool) -> int:
 
 def load_hf_weights(model, hf_dir: str, hf_config: Any, args) -> None:
     """Fill this rank's freshly built model from an HF checkpoint: only the tensors of this rank's
-    pipeline stage are read (one at a time, positioned reads), and this TP rank keeps its slice. A reward
+    pipeline stage are read (one at a time, positioned reads), and of those only this TP rank's slices where
+    the mapping allows (`Mapping.read_plan`; tests/distributed/test_load_hf_slices.py). A reward
     model may start from a causal LM: its backbone is read and the scalar head keeps its initialisation."""
     from megatron_patch.conversion.engine import load_hf_into_rank, make_plan
     from megatron_patch.conversion.hf_io import HFCheckpoint
@@ -67,7 +68,7 @@ def load_hf_weights(model, hf_dir: str, hf_config: Any, args) -> None:
     plan = make_plan(source, layout, args.transformer_impl, padded_vocab_size=args.padded_vocab_size)
     # a fresh head replaces the causal LM's output layer (and its bias, GPT-J's)
     head = ["output_layer.weight", "output_layer.bias"] if fresh_head else []
-    load_hf_into_rank(model, plan, ckpt.get, ckpt.keys(), keep=head)
+    load_hf_into_rank(model, plan, ckpt.get, ckpt.keys(), keep=head, reader=ckpt)  # this rank's slices only
 
 
 def make_model_provider(hf_config: Any):
