@@ -162,7 +162,7 @@ def make_plan(hf_config: Any, layout: Layout = Layout(), impl: Impl = "local",
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     family = family or get_family(hf_config)
-    family.check_layout(hf_config, layout)
+    shapes = family.shapes(hf_config, layout)  # checks the layout against the model (`Layout.check`)
     entries = family.weight_map(hf_config)
     arch = family.config_kwargs(hf_config)
     return Plan(
@@ -170,8 +170,7 @@ def make_plan(hf_config: Any, layout: Layout = Layout(), impl: Impl = "local",
         hf_config=hf_config,
         layout=layout,
         impl=impl,
-        shapes=_with_groups(_with_padding(family.shapes(hf_config, layout), padded_vocab_size), num_query_groups,
-                            layout),
+        shapes=_with_groups(_with_padding(shapes, padded_vocab_size), num_query_groups, layout),
         num_layers=int(arch["num_layers"]),
         num_experts=int(arch.get("num_moe_experts") or 0),
         tied=family.tied_embeddings(hf_config),

@@ -128,7 +128,7 @@ def build_model(hf_config: Any, *deprecated_tp_pp: int, layout: Layout | None = 
     build, class_fields = model_class_parts(model_class)
     family = family or get_family(hf_config)
     config_overrides = {**class_fields(hf_config, family), **config_overrides}
-    family.check_layout(hf_config, layout)
+    shapes = family.shapes(hf_config, layout)  # checks the layout against the model (`Layout.check`)
     ensure_model_parallel(tp, pp, ep, layout.etp)
     have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
             ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size())
@@ -137,7 +137,6 @@ def build_model(hf_config: Any, *deprecated_tp_pp: int, layout: Layout | None = 
                          f"but TP={tp}, PP={pp}, EP={ep}, ETP={layout.expert_tp} was asked for")
     config = transformer_config(hf_config, layout, dtype, family,
                                 **{"transformer_impl": impl, **config_overrides})
-    shapes = family.shapes(hf_config, layout)
     if pre_process is None:
         pre_process = ps.is_pipeline_first_stage()
     if post_process is None:

@@ -43,9 +43,9 @@ def pairwise_loss(tokens: torch.Tensor, lengths: torch.Tensor, pad_token_id: int
 def scalar_head(model):
     """The reward model's scalar head under megatron's wrappers (DDP, Float16Module), or None on a pipeline
     stage without one."""
-    while not hasattr(model, "output_layer") and hasattr(model, "module"):
-        model = model.module
-    return getattr(model, "output_layer", None)
+    from megatron.core.utils import unwrap_model
+
+    return getattr(unwrap_model(model), "output_layer", None)
 
 
 def forward_step(data_iterator, model):
