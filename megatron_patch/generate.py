@@ -170,7 +170,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", choices=ENGINES, default="auto",
                    help="megatron-core's inference engine: dynamic (continuous batching, paged KV cache, CUDA "
                    "graphs on a GPU; TP/PP/EP; not ALiBi or multi-latent attention), static (fixed batches; "
-                   "TP/EP, not PP), auto: static, dynamic at --pp > 1")
+                   "TP/EP, not PP), auto: dynamic, static for ALiBi / multi-latent attention")
     p.add_argument("--max-requests", "--inference-max-requests", "--batch-size", dest="max_requests",
                    type=positive_int, default=None, metavar="N",
                    help="requests generated together: in flight at once on the dynamic engine (a finished "

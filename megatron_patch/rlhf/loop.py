@@ -8,7 +8,8 @@ update), the loop is the rest:
                 (`megatron_patch.rlhf.rollout`); the log-probabilities of the sampled tokens under the policy
                 that sampled them and under the reference (`megatron_patch.rlhf.logprobs`); the completions'
                 rewards (a rule, `--reward module:function`, or the algorithm's reward model); the algorithm's
-                update, whose metrics make the step's JSON line on stderr
+                update, whose metrics make the step's JSON line on stderr (with `rollout_s`, the seconds
+                the rollouts took; the summary sums them as `rollout_seconds`; timings stay out of the history)
     checkpoints `--save` / `--load` (`megatron_patch.rlhf.checkpoint`): the policy, its optimizer, the RNG and
                 the history, plus the algorithm's state; a resumed run equals the uninterrupted one
     export      `--out`: the policy as an HF folder (the converter's writer, from the live model:
@@ -162,8 +163,8 @@ def add_loop_args(parser, prompts_per_step: int, out_help: str, seed_help: str, 
 
     add_model_args(parser)
     parser.add_argument("--engine", choices=ENGINES, default="auto",
-                        help="inference engine of the rollouts (auto: static at PP = 1, dynamic at PP > 1; "
-                             "samples are reproducible for the same engine)")
+                        help="inference engine of the rollouts (auto: dynamic, static for ALiBi / multi-latent "
+                             "attention; samples are reproducible for the same engine)")
     parser.add_argument("--prompts", required=True, help="JSONL prompts (`prompt` text or chat `messages`)")
     parser.add_argument("--chat", action="store_true", help="render plain prompts with the chat template")
     parser.add_argument("--prompts-per-step", type=positive_int, default=prompts_per_step,
@@ -308,6 +309,7 @@ class OnlineRL:
         self.device = next(self.policy.parameters()).device
         self.vocab = vocab_size(self.cfg)
         self.history: list[dict] = []
+        self.rollout_seconds: list[float] = []  # this process's steps (timings stay out of the history)
         self.algorithm.setup()
 
     def check_fits(self, context: int | None, model: str = "") -> None:
@@ -336,7 +338,9 @@ class OnlineRL:
         # sampled from the whole distribution (top-k off) or its nucleus (--top-p), the end token ending a sample
         sampling = Sampling(a.max_new_tokens, a.temperature, top_k=0, top_p=a.top_p, seed=a.seed + step,
                             stop_id=self.tokenizer.eod)
+        began = time.perf_counter()
         r = rollout(self.policy, self.tokenizer, [self.prompt_ids[i] for i in rows], sampling, self.device, a.engine)
+        self.rollout_seconds.append(time.perf_counter() - began)
         old = token_logps(self.policy, r.tokens, r.labels, self.vocab)
         ref = token_logps(self.reference, r.tokens, r.labels, self.vocab)
         scores = self.algorithm.scores(rows, r).to(self.device)
@@ -380,7 +384,8 @@ class OnlineRL:
         for step in range(first, a.steps):
             row, _ = self.step(step)
             if is_first_rank():
-                print(json.dumps({k: round(v, 5) if isinstance(v, float) else v for k, v in row.items()}),
+                line = {**row, "rollout_s": self.rollout_seconds[-1]}
+                print(json.dumps({k: round(v, 5) if isinstance(v, float) else v for k, v in line.items()}),
                       file=sys.stderr, flush=True)
             if a.save and ((step + 1) % a.save_interval == 0 or step + 1 == a.steps):
                 self.save(a.save, step + 1)
@@ -389,7 +394,8 @@ class OnlineRL:
         self.algorithm.export(self.tokenizer_dir)
         history = self.history
         return {"steps": len(history), "resumed_at": first, **reward_summary(history),
-                **self.algorithm.summary(history), "seconds": round(time.time() - start, 1), "out": a.out,
+                **self.algorithm.summary(history), "seconds": round(time.time() - start, 1),
+                "rollout_seconds": round(sum(self.rollout_seconds), 2), "out": a.out,
                 "history": history}
 
 

@@ -8,6 +8,7 @@
 #                                        # evaluate and an lm-eval run, HybridModel under TE (<= 3 min on one H200).
 #                                        # Any change to code on a GPU path runs it before it lands.
 #   bash tests/gpu/run_suite.sh quick    # every GPU test but the two proofs (~5 min; NCCL / MoE tests need 2 GPUs)
+#   bash tests/gpu/run_suite.sh rest     # quick without the smoke tests: after `smoke`, the rest of quick
 #   bash tests/gpu/run_suite.sh proofs   # the training proof and the RLHF proof              (~8 min)
 #   bash tests/gpu/run_suite.sh all      # both, where the call's time limit allows
 #
@@ -26,9 +27,10 @@ OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 case "$part" in
   smoke) sel=(tests/gpu -m smoke) ;;
   quick) sel=(tests/gpu -k "not train_proof and not rlhf_proof") ;;
+  rest) sel=(tests/gpu -m "not smoke" -k "not train_proof and not rlhf_proof") ;;
   proofs) sel=(tests/gpu/test_train_proof.py tests/gpu/test_rlhf_proof.py) ;;
   all) sel=(tests/gpu) ;;
-  *) echo "error: unknown part '$part' (smoke, quick, proofs or all)" >&2; exit 2 ;;
+  *) echo "error: unknown part '$part' (smoke, quick, rest, proofs or all)" >&2; exit 2 ;;
 esac
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 GPU_REPORT=$OUT/gpu_$part.jsonl python3 -m pytest -q -p no:warnings -p no:cacheprovider -rf --durations=8 "${sel[@]}" 2>&1 | tee "$OUT/gpu_$part.log" | tail -40

@@ -207,6 +207,30 @@ def test_grpo_two_steps(trained, tmp_path, capsys):
     assert set(before) == set(after) and any(not torch.equal(before[k], after[k]) for k in before)
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_grpo_rollouts_on_both_engines(trained, tmp_path, capsys, dtype):
+    """Issue 27 item 4: GRPO's rollouts on the static engine (the old default) and on the dynamic one (`--engine
+    auto` now): the seconds each step's rollouts took (`rollout_s` of the step lines, the first step's including
+    the dynamic engine's build and graph capture) recorded side by side; both runs healthy, every metric finite.
+    The two engines sample from different generators, so their samples are not compared."""
+    from megatron_patch.rlhf.grpo import main
+
+    prompts = _prompts_file(tmp_path / "p.jsonl")
+    seconds = {}
+    for engine in ("static", "dynamic"):
+        code = main(["--hf-dir", trained[0], "--prompts", prompts, "--reward", "tests.e2e.test_ppo:toy_reward",
+                     "--steps", "3", "--prompts-per-step", "4", "--group-size", "8", "--max-new-tokens", "64",
+                     "--engine", engine, "--dtype", dtype, "--impl", TE])
+        out = capsys.readouterr()
+        assert code == 0, out.err[-3000:]
+        steps = [json.loads(line) for line in out.err.splitlines() if line.startswith('{"step"')]
+        summary = json.loads(out.out.strip().splitlines()[-1])
+        assert len(steps) == 3 and all(_finite(r) for r in summary["history"]), out.err[-3000:]
+        seconds[engine] = [s["rollout_s"] for s in steps]
+        assert summary["rollout_seconds"] == pytest.approx(sum(seconds[engine]), abs=0.02)
+    _record(test="grpo_rollout_seconds", dtype=dtype, samples_per_step=32, new_tokens=64, **seconds)
+
+
 # --- training ---------------------------------------------------------------------------------------------------
 
 def _train(tmp_path, name: str, model: list[str], iters: int, *extra: str, data: str | None = None,
