@@ -146,8 +146,9 @@ def run_shape(a, shape: str, prompts: list[list[int]], timer: Timer) -> list[dic
     dtype = torch_dtype(a.dtype)
     cfg = hf_config(shape, max(len(p) for p in prompts) + a.new)
     torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg), attn_implementation="sdpa",
-                                          dtype=dtype).to(a.device).eval()
+    with torch.device(a.device):  # initialised where it runs: an 8B model's random init on the host takes minutes
+        hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg), attn_implementation="sdpa",
+                                              dtype=dtype).eval()
     sd = hf.state_dict()
     model = build_model(cfg, impl=a.impl, dtype=dtype, perform_initialization=False)
     load_rank_state_dict(model, hf_to_megatron(make_plan(cfg, Layout(), a.impl), sd.__getitem__, sd.keys(), dtype)
