@@ -16,6 +16,10 @@ own process (bf16 autocast, fused AdamW, per-block `torch.compile`; `-eager` wit
 per-op selective activation checkpointing); a row says "torchtitan not installed / incompatible: ..." when
 it cannot run.
 
+`+hybrid` trains megatron-core's HybridModel (`--model-class hybrid`) instead of GPTModel; `+lora` trains LoRA
+adapters of rank 16 on every linear with the base frozen (Megatron's FLOP formula counts a full backward pass, so
+its TFLOP/s overstates the work a LoRA step does: compare tokens/s and memory).
+
 Measured: the median step time over the second half of the iterations (the first half is warm-up),
 tokens/s (the headline), TFLOP/s by Megatron's formula (`megatron.training.training.
 num_floating_point_operations`: causal attention and the output layer counted) for every side, and peak GPU
@@ -65,6 +69,10 @@ RUNS: dict[str, tuple[str, str, list[str], dict[str, str]]] = {
     "bf16 +graph-full": ("bf16", "benchmark", [*GRAPHS, "full_iteration", "--te-rng-tracker"], {}),
     "bf16 +precision-aware-opt": ("bf16", "default", ["--use-precision-aware-optimizer"], {}),
     "bf16 mbs2": ("bf16", "default", ["@mbs2"], {}),
+    # issue 29: HybridModel against GPTModel, LoRA against full training (same shape, same run)
+    "bf16 +hybrid": ("bf16", "default", ["--model-class", "hybrid"], {}),
+    "bf16 +lora": ("bf16", "default", ["--lora-rank", "16", "--lora-alpha", "32"], {}),
+    "fp8 +lora": ("fp8", "default", ["--lora-rank", "16", "--lora-alpha", "32"], {}),
     "fp8 none": ("fp8", "none", [], {}),
     "fp8": ("fp8", "default", [], {}),
     "fp8 benchmark": ("fp8", "benchmark", [], {}),

@@ -29,6 +29,15 @@ def _opt(cmd: list[str], flag: str) -> str:
     return cmd[cmd.index(flag) + 1]
 
 
+def test_hybrid_and_lora_runs():
+    """Issue 29's rows: HybridModel and LoRA runs are the default profile plus one setting each."""
+    hybrid, lora, base = _dry_run("--torchtitan", "--hf", "--shapes", "8b", "--runs", "bf16 +hybrid", "fp8 +lora",
+                                  "bf16")
+    assert _opt(hybrid, "--model-class") == "hybrid" and _opt(hybrid, "--throughput-profile") == "default"
+    assert (_opt(lora, "--lora-rank"), _opt(lora, "--lora-alpha"), _opt(lora, "--precision")) == ("16", "32", "fp8")
+    assert "--model-class" not in base and "--lora-rank" not in base
+
+
 def test_training_benchmark_commands():
     (none, default, mbs2, graphs) = _dry_run("--torchtitan", "--shapes", "8b", "--runs", "bf16 none", "bf16",
                                              "bf16 mbs2", "fp8 +graph-full")
