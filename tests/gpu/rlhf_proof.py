@@ -4,7 +4,11 @@ tests/e2e/test_rlhf.py, Transformer Engine implementation:
 
 - reward model (megatron.training, bf16): pairwise accuracy and margin over the iterations;
 - DPO (megatron.training, bf16, reference on the fly): reward accuracy and margin;
-- GRPO (own loop, fp32 policy, rollouts with megatron.core.inference): mean reward first vs last steps.
+- GRPO (own loop, fp32 policy, rollouts with megatron.core.inference): mean reward first vs last steps;
+- PPO with a critic (issue 29), beside GRPO: the same start, prompts, rule reward, steps and samples per step
+  (96); a fixed KL coefficient `PPO_KL_COEF`; mean reward, the largest per-completion KL, the critic's value
+  loss (first vs last 5 steps); for both, seconds per step split into the rollouts and the rest (log-probs,
+  scoring, update).
 
 Run: python tests/gpu/rlhf_proof.py OUT_DIR   (tests/gpu/test_rlhf_proof.py does); prints a JSON report."""
 
@@ -44,6 +48,36 @@ def megatron_run(out: str, name: str, entry: str, hf_dir: str, data: str, iters:
     return {"rc": p.returncode, "text": text, "ms_per_iter": parse_log(text).median("elapsed time per iteration (ms)")}
 
 
+PPO_KL_COEF = 0.05
+# The KL-regularised objective E[R] - beta KL(pi || ref) is maximised by pi* ~ ref exp(R / beta), whose
+# KL(pi* || ref) = E*[R] / beta - log Z <= (max R - min R) / beta: the toy reward lies in [0, 1], so a healthy
+# PPO run's per-completion KL stays below 1 / beta (20 nats at 0.05).
+PPO_KL_BOUND = 1 / PPO_KL_COEF
+
+
+def online_rl(out: str, algorithm: str, *extra: str) -> dict:
+    """One online-RL run on the proof's prompts (fp32 policy, TE, 30 steps of 96 samples): its summary, the
+    steps' lines and the split of the step time."""
+    hf_dir, prompts = os.path.join(out, "hf_start"), os.path.join(out, "prompts.jsonl")
+    cmd = [sys.executable, "-m", f"megatron_patch.rlhf.{algorithm}", "--hf-dir", hf_dir, "--prompts", prompts,
+           "--reward", "tests.e2e.test_rlhf:toy_reward", "--impl", "transformer_engine", "--dtype", "fp32",
+           "--steps", "30", "--max-new-tokens", "32", "--out", os.path.join(out, f"{algorithm}_hf"), *extra]
+    env = {**os.environ, "PYTHONPATH": ROOT + ":" + os.environ.get("PYTHONPATH", "")}
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    with open(os.path.join(out, f"{algorithm}.log"), "w") as f:
+        f.write(p.stderr + p.stdout)
+    summary = json.loads(p.stdout.strip().splitlines()[-1]) if p.returncode == 0 else {}
+    row = {"rc": p.returncode, **{k: summary.get(k) for k in ("reward_first", "reward_last", "seconds",
+                                                               "rollout_seconds")},
+           "tail": p.stderr[-1500:] if p.returncode else ""}
+    if summary:
+        steps = len(summary["history"])
+        row["rollout_s_per_step"] = round(summary["rollout_seconds"] / steps, 3)
+        row["rest_s_per_step"] = round((summary["seconds"] - summary["rollout_seconds"]) / steps, 3)
+        row["history"] = summary["history"]
+    return row
+
+
 def mean(d: dict[int, float], its) -> float | None:
     vals = [d[i] for i in its if i in d]
     return round(sum(vals) / len(vals), 4) if vals else None
@@ -79,17 +113,18 @@ def main() -> None:
     with open(prompts, "w") as f:
         f.writelines(json.dumps({"prompt": p}) + "\n" for p in
                      ["The module", "A list of", "When the function", "def f(x):", "The interpreter", "import os"])
-    cmd = [sys.executable, "-m", "megatron_patch.rlhf.grpo", "--hf-dir", hf_dir, "--prompts", prompts, "--reward",
-           "tests.e2e.test_rlhf:toy_reward", "--impl", "transformer_engine", "--dtype", "fp32", "--steps", "30",
-           "--prompts-per-step", "6", "--group-size", "16", "--max-new-tokens", "32", "--lr", "1e-4",
-           "--kl-coef", "0.01", "--out", os.path.join(out, "grpo_hf")]
-    env = {**os.environ, "PYTHONPATH": ROOT + ":" + os.environ.get("PYTHONPATH", "")}
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
-    with open(os.path.join(out, "grpo.log"), "w") as f:
-        f.write(p.stderr + p.stdout)
-    summary = json.loads(p.stdout.strip().splitlines()[-1]) if p.returncode == 0 else {}
-    report["grpo"] = {"rc": p.returncode, **{k: summary.get(k) for k in ("reward_first", "reward_last", "seconds")},
-                      "tail": p.stderr[-1500:] if p.returncode else ""}
+    report["grpo"] = online_rl(out, "grpo", "--prompts-per-step", "6", "--group-size", "16", "--lr", "1e-4",
+                               "--kl-coef", "0.01")
+    ppo = online_rl(out, "ppo", "--prompts-per-step", "96", "--lr", "1e-4", "--critic-lr", "1e-4",
+                    "--kl-coef", str(PPO_KL_COEF), "--epochs", "2", "--mini-batches", "4")
+    history = ppo.pop("history", [])
+    ppo["kl_max"] = round(max(r["kl"] for r in history), 4) if history else None
+    ppo["kl_bound"] = PPO_KL_BOUND
+    ppo["value_loss_1_5"] = mean({i: r["value_loss"] for i, r in enumerate(history, 1)}, range(1, 6))
+    ppo["value_loss_last5"] = mean({i: r["value_loss"] for i, r in enumerate(history, 1)},
+                                   range(len(history) - 4, len(history) + 1))
+    report["ppo"] = ppo
+    report["grpo"].pop("history", None)
     for k in ("reward_model", "dpo"):
         if report[k]["rc"]:
             report[k]["tail"] = (rm if k == "reward_model" else dpo)["text"][-1500:]
