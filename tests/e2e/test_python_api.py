@@ -1,6 +1,7 @@
 """docs/python-api.md's example runs as written: its Python block, under `torchrun --nproc-per-node 4` (gloo,
 TP2 x PP2) in a folder whose `Llama-3.1-8B` is a tiny LLaMA; a plain loop trains three steps, the streamed
-weights loaded into `transformers` give the trained Megatron model's logits (fp32, <= 1e-5), and the folder
+weights loaded into `transformers` give the trained Megatron model's logits (fp32, <= 1e-5), a second model
+refreshed from them and served by the dynamic engine generates transformers' greedy tokens, and the folder
 `save_hf` writes holds the same weights."""
 
 from __future__ import annotations
@@ -24,10 +25,13 @@ def docs_example() -> str:
 
 
 def test_docs_example_runs_at_tp2_pp2(cpu_megatron, tmp_path):
-    from megatron_patch.conversion.hf_io import read_all
+    from megatron_patch.conversion.hf_io import copy_side_files, read_all
+    from megatron_patch.tokenizer import TINY_TOKENIZER
     from tests.models import hf_model, llama_config, save_hf
 
     save_hf(hf_model(llama_config("gqa")), str(tmp_path / "Llama-3.1-8B"))
+    copy_side_files(TINY_TOKENIZER, str(tmp_path / "Llama-3.1-8B"),
+                    ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"])
     (tmp_path / "train_tp2pp2.py").write_text(docs_example())
     env = {**os.environ, "TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master_port",
@@ -38,6 +42,8 @@ def test_docs_example_runs_at_tp2_pp2(cpu_megatron, tmp_path):
     assert len(losses) == 3 and losses[-1] < losses[0], p.stdout
     diff = float(re.search(r"max \|logits - transformers\| = ([\d.e+-]+)", p.stdout)[1])
     assert diff <= 1e-5, p.stdout
+    # the refreshed second model, served by the dynamic engine at TP2 x PP2, generates transformers' greedy tokens
+    assert "dynamic engine's greedy tokens = transformers': True" in p.stdout, p.stdout
     read = [int(x.replace(",", "")) for x in re.findall(r"read ([\d,]+) bytes", p.stdout)]
     assert len(read) == 4
     saved = read_all(str(tmp_path / "trained-hf"))
