@@ -132,12 +132,19 @@ def test_lm_eval_adapter_equals_lm_eval_hf(trained, converted, tmp_path):
 
     texts = _documents(6, chars=10_000)
     tasks_dir = _write_tasks(tmp_path, texts)
+    import time
+
     with offline(tmp_path):
+        began = time.perf_counter()
         ref = _evaluate("hf", {"pretrained": trained[0], "dtype": "float32", "device": "cuda"}, tasks_dir)
+        hf_seconds = time.perf_counter() - began
+        began = time.perf_counter()
         ours = _evaluate("megatron_patch", {"mcore_dir": converted["local"]}, tasks_dir)
+        ours_seconds = time.perf_counter() - began
     worst = _assert_same_scores(ours, ref, per_token=LOCAL_PER_TOKEN)
-    _record(test="lm_eval_gpu", impl="local", worst=worst,
-            metrics={t: ours[t]["metrics"] for t in ours})
+    # wall time of each whole evaluation (model load included), side by side (issue 29 item 3)
+    _record(test="lm_eval_gpu", impl="local", worst=worst, metrics={t: ours[t]["metrics"] for t in ours},
+            hf_seconds=round(hf_seconds, 2), ours_seconds=round(ours_seconds, 2))
 
 
 # --- RLHF -------------------------------------------------------------------------------------------------------
