@@ -48,10 +48,10 @@ demo: $(STAMP)
 	$(PY) -m toolkits.demo
 
 # The lint step first (ruff, configured in pyproject.toml); pytest exits 5 when it collected nothing: that
-# is a failure here, not a pass.
+# is a failure here, not a pass. The 15 slowest tests are listed at the end (where the suite's time goes).
 test: $(STAMP)
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q tests; rc=$$?; \
+	$(PY) -m pytest -q --durations=15 tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 # The oldest supported megatron-core, on the reduced suite above (OLDEST_TESTS; the lint step is `make test`'s).
