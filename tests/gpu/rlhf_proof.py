@@ -8,7 +8,7 @@ tests/e2e/test_rlhf.py, Transformer Engine implementation:
 - PPO with a critic (issue 29), beside GRPO: the same start, prompts, rule reward, steps and samples per step
   (96); a fixed KL coefficient `PPO_KL_COEF`; mean reward, the largest per-completion KL, the critic's value
   loss (first vs last 5 steps); for both, seconds per step split into the rollouts and the rest (log-probs,
-  scoring, update).
+  scoring, update, and the final HF export spread over the steps).
 
 Run: python tests/gpu/rlhf_proof.py OUT_DIR   (tests/gpu/test_rlhf_proof.py does); prints a JSON report."""
 
