@@ -163,9 +163,9 @@ def pretrain_command(gpus: int, model: list[str], seq: int, mbs: int, global_bat
            "--min-lr", "1e-5", "--lr-warmup-iters", "2", "--seed", "1234", "--precision", precision,
            "--throughput-profile", profile, "--log-interval", "1", "--log-throughput", "--eval-iters", "0",
            *device, "--make-vocab-size-divisible-by", "128", *extra]
-    if trace_dir:
+    if trace_dir:  # megatron-core 0.19 writes the trace beside the TensorBoard folder (../torch_profile), 0.18 in it
         cmd += ["--profile", "--use-pytorch-profiler", "--profile-step-start", "6", "--profile-step-end", "8",
-                "--tensorboard-dir", trace_dir]
+                "--tensorboard-dir", os.path.join(trace_dir, "tensorboard")]
     return cmd, {**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1",
                  "PYTHONPATH": ROOT + ":" + os.environ.get("PYTHONPATH", ""), **(env or {})}
 
@@ -270,6 +270,34 @@ def table_row(shape: str, name: str, r: dict, flops: float, gpus: int, hf_rate: 
             "peak_gb": round(r["peak_gb"], 1) if r.get("peak_gb") else None}
 
 
+class ShapeRows:
+    """The rows of one shape, each printed as soon as it is measured (a call cut by its time limit keeps what it
+    printed): HF's row is the reference of the rows after it; with `losses`, a run's losses are compared with
+    its precision's `none` run, measured before it."""
+
+    def __init__(self, shape: str, flops: float, gpus: int, losses: int, rows: list[dict]):
+        self.shape, self.flops, self.gpus, self.losses, self.rows = shape, flops, gpus, losses, rows
+        self.results: dict[str, dict] = {}
+        self.hf_rate: float | None = None
+
+    def add(self, name: str, result: dict) -> None:
+        self.results[name] = result
+        if "error" in result:
+            row = {"shape": self.shape, "run": name, "error": result["error"][-300:]}
+        else:
+            row = table_row(self.shape, name, result, self.flops, self.gpus if name.startswith("ours") else 1,
+                            self.hf_rate)
+            if name == "hf":
+                self.hf_rate, row["vs_hf"] = row["tokens_per_s"], 1.0
+            if "titan_log" in result:  # torchtitan's own last log line (its tokens/s and MFU)
+                row["torchtitan_log"] = result["titan_log"]
+            if self.losses and name.startswith("ours "):
+                ref = self.results.get(f"ours {RUNS[name[5:]][0]} none", {}).get("losses", [])
+                row["max_loss_diff_vs_none"] = loss_difference(result.get("losses", []), ref, self.losses)
+        self.rows.append(row)
+        print(json.dumps(row), flush=True)
+
+
 def main() -> None:
     import titan_peer  # beside this script: the torchtitan rows
 
@@ -301,36 +329,22 @@ def main() -> None:
         print(json.dumps(meta), flush=True)
         for shape in a.shapes:
             flops = flops_per_sample(shape)
-            results = {name: hf(shape, name, a.iters, a.micro_batches) for name in a.hf}
+            shape_rows = ShapeRows(shape, flops, a.gpus, a.losses, rows)
+            for name in a.hf:
+                shape_rows.add(name, hf(shape, name, a.iters, a.micro_batches))
             for name in a.torchtitan:
-                results[name] = titan_peer.run(SHAPES[shape], VOCAB, name, a.iters, a.micro_batches)
-                print(shape, name, results[name], flush=True)
+                shape_rows.add(name, titan_peer.run(SHAPES[shape], VOCAB, name, a.iters, a.micro_batches))
             runs = list(a.runs)
-            if a.losses:  # the references of the loss comparison
-                runs += [f"{p} none" for p in sorted({RUNS[r][0] for r in a.runs}) if f"{p} none" not in runs]
+            if a.losses:  # the references of the loss comparison, measured first
+                runs = [f"{p} none" for p in sorted({RUNS[r][0] for r in a.runs}) if f"{p} none" not in runs] + runs
             for run in runs:
-                results[f"ours {run}"] = ours(shape, run, max(a.iters, a.losses), a.micro_batches, a.gpus, tmp)
-                print(shape, run, {k: v for k, v in results[f"ours {run}"].items() if k != "losses"}, flush=True)
+                shape_rows.add(f"ours {run}", ours(shape, run, max(a.iters, a.losses), a.micro_batches, a.gpus, tmp))
             if a.trace:
                 from trace_summary import summarise_folder  # beside this script
 
                 trace_dir = os.path.join(tmp, "trace")
                 ours(shape, a.trace, 8, a.micro_batches, a.gpus, tmp, trace_dir)
                 print(json.dumps({"shape": shape, "trace": a.trace, "where": summarise_folder(trace_dir)}), flush=True)
-            hf_rate = None
-            for name, r in results.items():
-                if "error" in r:
-                    rows.append({"shape": shape, "run": name, "error": r["error"][-300:]})
-                    continue
-                row = table_row(shape, name, r, flops, a.gpus if name.startswith("ours") else 1, hf_rate)
-                if name == "hf":  # the reference of the rows after it
-                    hf_rate, row["vs_hf"] = row["tokens_per_s"], 1.0
-                if "titan_log" in r:  # torchtitan's own last log line (its tokens/s and MFU), for reference
-                    row["torchtitan_log"] = r["titan_log"]
-                if a.losses and name.startswith("ours "):
-                    ref = results.get(f"ours {RUNS[name[5:]][0]} none", {}).get("losses", [])
-                    row["max_loss_diff_vs_none"] = loss_difference(r.get("losses", []), ref, a.losses)
-                rows.append(row)
     print(f"{meta['date']}, {meta.get('gpu')}, torch {meta['torch']}, megatron-core {meta.get('megatron.core')}, "
           f"TE {meta.get('transformer_engine')}, transformers {meta.get('transformers')}, "
           f"torchtitan {meta.get('torchtitan')}; "

@@ -209,3 +209,46 @@ def test_run_pretrain_reads_the_log_with_the_shared_parser():
     assert row == {"s_per_iter": 0.51, "peak_gb": 60.0, "samples": 8, "losses": [9.0, 8.0, 7.0, 6.0, 5.0, 4.0]}
     assert "error" in tb.run_pretrain([sys.executable, "-c", "print(' iteration 1/ 2 | lm loss: 1.0 |')"],
                                       dict(os.environ))
+
+
+def test_trace_run_writes_its_trace_where_the_summary_looks(tmp_path):
+    """`train_bench.py --trace RUN` (issue 28: it ended with 'no trace (.json / .json.gz) under .../trace'):
+    megatron-core 0.19 writes the PyTorch profiler's trace beside the TensorBoard folder (`../torch_profile`),
+    so the TensorBoard folder is a subfolder of the trace folder. A CPU run of 8 iterations: the trace is under
+    the folder `summarise_folder` reads (here it finds no GPU kernels, which is the next check, not this one)."""
+    import train_bench as tb
+    from trace_summary import summarise_folder
+
+    from tests.models import llama_config
+
+    cfg = llama_config("gqa")
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    trace = tmp_path / "trace"
+    cmd, env = tb.pretrain_command(1, ["--hf-config", str(tmp_path / "config.json")], 32, 1, 1, 8, "fp32", "none",
+                                   [], vocab=cfg["vocab_size"], cpu=True, trace_dir=str(trace))
+    env = {**env, "TORCHDYNAMO_DISABLE": "1", "PYTHONPATH": ROOT}
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    with pytest.raises(ValueError, match="no GPU kernel events"):
+        summarise_folder(str(trace))
+
+
+def test_rows_are_printed_as_measured(capsys):
+    """train_bench printed the HF rows only in the final table, so a call cut by its time limit lost them (issue
+    28): each row is printed when measured, HF's being the reference of the rows after it, and a run's losses
+    compared with its precision's `none` run (measured before it)."""
+    import train_bench as tb
+
+    rows: list[dict] = []
+    table = tb.ShapeRows("8b", 1e12, 1, 3, rows)  # 1 TFLOP per sample
+    table.add("hf", {"s_per_iter": 2.0, "samples": 8, "peak_gb": 45.0})
+    assert json.loads(capsys.readouterr().out) == rows[0]
+    assert rows[0]["tokens_per_s"] == 8 * 8192 / 2 and rows[0]["vs_hf"] == 1.0
+    table.add("ours bf16 none", {"s_per_iter": 1.0, "samples": 8, "peak_gb": 60.0, "losses": [11.0, 10.0, 9.0]})
+    table.add("ours bf16", {"s_per_iter": 0.8, "samples": 8, "peak_gb": 60.0, "losses": [11.0, 10.001, 9.0]})
+    table.add("torchtitan", {"error": "torchtitan not installed"})
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert printed == rows[1:]
+    assert rows[1]["vs_hf"] == 2.0 and rows[2]["vs_hf"] == 2.5 and rows[2]["tflops_per_gpu"] == 10.0
+    assert rows[2]["max_loss_diff_vs_none"] == pytest.approx(0.001, abs=1e-9)
+    assert rows[3] == {"shape": "8b", "run": "torchtitan", "error": "torchtitan not installed"}
