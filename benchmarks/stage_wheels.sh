@@ -20,7 +20,8 @@ PLAT="--only-binary=:all: --python-version 3.12 --implementation cp --platform m
 FA4=(flash-attn-4==4.0.0b36 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1
      nvidia-cutlass-dsl-libs-core==4.8.1 nvidia-cutlass-dsl-libs-cu13==4.8.1 quack-kernels==0.6.5 apache-tvm-ffi==0.1.15.post2 torch-c-dlpack-ext==0.1.5)
 TITAN=(torchtitan==0.2.2 tyro==1.0.17 docstring-parser==0.18.0 typeguard==4.6.1 typing-extensions==4.16.0
-       tensorboard==2.21.0 protobuf==7.36.2 absl-py==2.5.1 torchdata==0.11.0)
+       tensorboard==2.21.0 protobuf==7.36.2 absl-py==2.5.1 torchdata==0.11.0
+       torchao==0.18.0)  # torchao: torchtitan's FP8 row (Float8Linear; 0.18 wants torch >= 2.11)
 # the GPU image has pyarrow, pandas, scikit-learn, sacrebleu, huggingface-hub; three of these exist only as sdists
 # and are built into (pure Python) wheels here
 LMEVAL=(lm-eval==0.4.13 datasets==5.2.0 evaluate==0.4.6 dill==0.4.1 multiprocess==0.70.19 pytablewriter==1.2.1

@@ -47,7 +47,14 @@ TITAN_RUNS = {
     "torchtitan": (True, "none"),
     "torchtitan-eager": (False, "none"),
     "torchtitan-sac": (True, "selective"),  # torchtitan's Llama-3 8B preset: per-op selective AC
+    "torchtitan-fp8": (True, "none"),  # + FLOAT8
 }
+# torchtitan's FP8 training (torchao's Float8Linear, tensorwise dynamic scaling: its documented single-node
+# recipe, compiled) on every linear but the output layer, which our FP8 runs keep in bf16 too (megatron-core's
+# output layer is not a TE module). Needs torchao (`benchmarks/stage_wheels.sh titan` stages it).
+FLOAT8 = {"torchtitan-fp8": ["--model.converters", "quantize.linear.float8",
+                             "--quantize.linear.float8.recipe_name", "tensorwise",
+                             "--quantize.linear.float8.filter_fqns", "output"]}
 # (hidden, FFN) -> torchtitan's (ffn_dim_multiplier, multiple_of): Llama-3.2 1B's and Llama-3.1 8B's flavors
 FFN = {(2048, 8192): (1.5, 256), (4096, 14336): (1.3, 1024)}
 MISSING = "torchtitan not installed / incompatible"
@@ -85,7 +92,8 @@ def titan_flags(s: dict, run: str, iters: int, micro_batches: int, dump_folder: 
             "--lr_scheduler.warmup_steps", "2", "--activation_checkpoint.mode", ac,
             "--activation_checkpoint.selective_ac_option", "op", "--metrics.log_freq", "1",
             "--metrics.disable_color_printing", "--debug.seed", "1234",
-            *(["--compile.enable", "--compile.components", "model,loss"] if compiled else ["--compile.no-enable"])]
+            *(["--compile.enable", "--compile.components", "model,loss"] if compiled else ["--compile.no-enable"]),
+            *FLOAT8.get(run, [])]
 
 
 def command(s: dict, vocab: int, run: str, iters: int, micro_batches: int) -> list[str]:

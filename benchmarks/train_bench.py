@@ -4,7 +4,8 @@ training runs: every side takes a global batch of `--micro-batches` micro-batche
 torchtitan accumulate gradients over them too). Prints a table (docs/benchmarks.md) and one JSON line.
 
     python benchmarks/train_bench.py [--shapes 1b 8b] [--micro-batches 8] [--iters 12] [--runs bf16 fp8 ...]
-        [--hf hf hf-liger hf-compile] [--torchtitan torchtitan torchtitan-eager torchtitan-sac] [--losses 20]
+        [--hf hf hf-liger hf-compile] [--torchtitan torchtitan torchtitan-eager torchtitan-sac torchtitan-fp8]
+        [--losses 20]
     python benchmarks/train_bench.py --shapes 8b-full --gpus 2 --runs "fp8 tp2" "fp8 pp2" "fp8 dp2"   # 2 GPUs
 
 Runs (`--runs`, names from RUNS): our path with a throughput profile (`none` = Megatron's defaults,
@@ -13,8 +14,8 @@ Runs (`--runs`, names from RUNS): our path with a throughput profile (`none` = M
 Triton kernels (`hf-liger`, when `liger_kernel` is installed) or `torch.compile` (`hf-compile`).
 torchtitan rows (`--torchtitan`, `benchmarks/titan_peer.py`): torchtitan 0.2.x's own Llama-3 Trainer in its
 own process (bf16 autocast, fused AdamW, per-block `torch.compile`; `-eager` without compile, `-sac` with its
-per-op selective activation checkpointing); a row says "torchtitan not installed / incompatible: ..." when
-it cannot run.
+per-op selective activation checkpointing, `-fp8` with torchao's Float8Linear, tensorwise scaling); a row says
+"torchtitan not installed / incompatible: ..." when it cannot run.
 
 `+hybrid` trains megatron-core's HybridModel (`--model-class hybrid`) instead of GPTModel; `+lora` trains LoRA
 adapters of rank 16 on every linear with the base frozen (Megatron's FLOP formula counts a full backward pass, so

@@ -113,6 +113,11 @@ def test_torchtitan_rows_take_the_same_model_and_batches():
             assert (f["--optimizer.implementation"], f["--training.mixed_precision_param"]) == ("fused", "bfloat16")
             assert f["--activation_checkpoint.mode"] == ac and f["--lr_scheduler.warmup_steps"] == "2"
             assert f.get("--compile.enable", False) == compiled and f.get("--compile.no-enable", False) != compiled
+            # FP8 (torchao's Float8Linear, tensorwise) on the FP8 row only, the output layer left in bf16 as ours
+            fp8 = (f.get("--model.converters"), f.get("--quantize.linear.float8.recipe_name"),
+                   f.get("--quantize.linear.float8.filter_fqns"))
+            assert fp8 == (("quantize.linear.float8", "tensorwise", "output") if run == "torchtitan-fp8"
+                           else (None, None, None)), run
     assert titan_peer.TITAN_RUNS["torchtitan"] == (True, "none")  # the main row: compiled, no recomputation
 
 
