@@ -3,7 +3,7 @@
 # (../shared/device/README.md stages those): run HERE, from the project root, after ../shared/device/stage.sh.
 #
 #   bash benchmarks/stage_wheels.sh fa4          # FlashAttention-4 (CuTe DSL) for the dynamic inference engine
-#   bash benchmarks/stage_wheels.sh titan        # torchtitan 0.2.2 and its dependencies (train_bench.py's peer)
+#   bash benchmarks/stage_wheels.sh titan        # torchtitan 0.2.2, its dependencies and torchao (train_bench.py's peers, FP8 too)
 #   bash benchmarks/stage_wheels.sh lmeval       # lm-evaluation-harness 0.4.13 and what the GPU image lacks of its
 #                                                # dependencies (the GPU suite's lm-eval tests)
 #   bash benchmarks/stage_wheels.sh NAME==VER... # any wheels
