@@ -55,9 +55,9 @@ PPO_KL_COEF = 0.05
 PPO_KL_BOUND = 1 / PPO_KL_COEF
 
 
-def online_rl(out: str, algorithm: str, *extra: str) -> dict:
-    """One online-RL run on the proof's prompts (fp32 policy, TE, 30 steps of 96 samples): its summary, the
-    steps' lines and the split of the step time."""
+def online_rl(out: str, algorithm: str, *extra: str) -> tuple[dict, list[dict]]:
+    """One online-RL run on the proof's prompts (fp32 policy, TE, 30 steps of 96 samples): its report row (the
+    summary's figures and the split of the step time) and the history of its steps."""
     hf_dir, prompts = os.path.join(out, "hf_start"), os.path.join(out, "prompts.jsonl")
     cmd = [sys.executable, "-m", f"megatron_patch.rlhf.{algorithm}", "--hf-dir", hf_dir, "--prompts", prompts,
            "--reward", "tests.e2e.test_rlhf:toy_reward", "--impl", "transformer_engine", "--dtype", "fp32",
@@ -67,15 +67,14 @@ def online_rl(out: str, algorithm: str, *extra: str) -> dict:
     with open(os.path.join(out, f"{algorithm}.log"), "w") as f:
         f.write(p.stderr + p.stdout)
     summary = json.loads(p.stdout.strip().splitlines()[-1]) if p.returncode == 0 else {}
-    row = {"rc": p.returncode, **{k: summary.get(k) for k in ("reward_first", "reward_last", "seconds",
-                                                               "rollout_seconds")},
+    row = {"rc": p.returncode, **{k: summary[k] for k in ("reward_first", "reward_last", "seconds", "rollout_seconds",
+                                                          "kl_max") if k in summary},
            "tail": p.stderr[-1500:] if p.returncode else ""}
-    if summary:
-        steps = len(summary["history"])
-        row["rollout_s_per_step"] = round(summary["rollout_seconds"] / steps, 3)
-        row["rest_s_per_step"] = round((summary["seconds"] - summary["rollout_seconds"]) / steps, 3)
-        row["history"] = summary["history"]
-    return row
+    history = summary.get("history", [])
+    if history:
+        row["rollout_s_per_step"] = round(summary["rollout_seconds"] / len(history), 3)
+        row["rest_s_per_step"] = round((summary["seconds"] - summary["rollout_seconds"]) / len(history), 3)
+    return row, history
 
 
 def mean(d: dict[int, float], its) -> float | None:
@@ -113,18 +112,13 @@ def main() -> None:
     with open(prompts, "w") as f:
         f.writelines(json.dumps({"prompt": p}) + "\n" for p in
                      ["The module", "A list of", "When the function", "def f(x):", "The interpreter", "import os"])
-    report["grpo"] = online_rl(out, "grpo", "--prompts-per-step", "6", "--group-size", "16", "--lr", "1e-4",
-                               "--kl-coef", "0.01")
-    ppo = online_rl(out, "ppo", "--prompts-per-step", "96", "--lr", "1e-4", "--critic-lr", "1e-4",
-                    "--kl-coef", str(PPO_KL_COEF), "--epochs", "2", "--mini-batches", "4")
-    history = ppo.pop("history", [])
-    ppo["kl_max"] = round(max(r["kl"] for r in history), 4) if history else None
-    ppo["kl_bound"] = PPO_KL_BOUND
-    ppo["value_loss_1_5"] = mean({i: r["value_loss"] for i, r in enumerate(history, 1)}, range(1, 6))
-    ppo["value_loss_last5"] = mean({i: r["value_loss"] for i, r in enumerate(history, 1)},
-                                   range(len(history) - 4, len(history) + 1))
-    report["ppo"] = ppo
-    report["grpo"].pop("history", None)
+    report["grpo"], _ = online_rl(out, "grpo", "--prompts-per-step", "6", "--group-size", "16", "--lr", "1e-4",
+                                  "--kl-coef", "0.01")
+    ppo, history = online_rl(out, "ppo", "--prompts-per-step", "96", "--lr", "1e-4", "--critic-lr", "1e-4",
+                             "--kl-coef", str(PPO_KL_COEF), "--epochs", "2", "--mini-batches", "4")
+    value_loss = {i: r["value_loss"] for i, r in enumerate(history, 1)}
+    report["ppo"] = {**ppo, "kl_bound": PPO_KL_BOUND, "value_loss_1_5": mean(value_loss, range(1, 6)),
+                     "value_loss_last5": mean(value_loss, range(len(history) - 4, len(history) + 1))}
     for k in ("reward_model", "dpo"):
         if report[k]["rc"]:
             report[k]["tail"] = (rm if k == "reward_model" else dpo)["text"][-1500:]

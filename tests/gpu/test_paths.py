@@ -21,6 +21,7 @@ import json
 import math
 import os
 import re
+import time
 
 import pytest
 import torch
@@ -132,8 +133,6 @@ def test_lm_eval_adapter_equals_lm_eval_hf(trained, converted, tmp_path):
 
     texts = _documents(6, chars=10_000)
     tasks_dir = _write_tasks(tmp_path, texts)
-    import time
-
     with offline(tmp_path):
         began = time.perf_counter()
         ref = _evaluate("hf", {"pretrained": trained[0], "dtype": "float32", "device": "cuda"}, tasks_dir)
