@@ -265,6 +265,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     model = build(a, max(len(p) for p in prompts) + a.new)
     bound_ms = decode_bytes(model) / (a.bandwidth_tb_s * 1e12) * 1e3
     timer, rows, seen = Timer(a.device, a.repeat), [], {}
+    from megatron_patch.inference import dynamic
+
+    default_sched = dynamic.ASYNC_SCHEDULING
     for sched in a.sched:
         for graphs in ([] if a.skip_rows else a.graphs):
             for n in a.requests:
@@ -280,7 +283,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     traceback.print_exc()
                     print(json.dumps({"profile": n, "sched": sched, "error": f"{type(e).__name__}: {str(e)[:300]}"}),
                           flush=True)
-    set_sched("legacy")
+    dynamic.ASYNC_SCHEDULING = default_sched  # the probe leaves the default behind
     return rows
 
 

@@ -42,14 +42,16 @@ def runtime_config_kwargs(dtype: torch.dtype = torch.float32) -> dict:
     """Runtime (non-architecture) TransformerConfig fields for models built outside
     `megatron.training` (conversion, verification): parameters are created on the GPU when there is
     one, else on the CPU, and the fused kernels that need CUDA extensions (Apex, megatron's own
-    fused softmax) are off, so the same model runs on either."""
+    fused softmax) are off, so the same model runs on either. RoPE is fused (Transformer Engine's kernel)
+    where there is a GPU and TE: unfused, it is ~14 small kernels a layer, a sixth of an 8B decode step
+    (docs/benchmarks.md); `transformer_config` turns it off where megatron-core refuses it (MLA)."""
     return dict(
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         use_cpu_initialization=not torch.cuda.is_available(),
-        apply_rope_fusion=False,
+        apply_rope_fusion=torch.cuda.is_available() and transformer_engine_available(),
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         masked_softmax_fusion=False,
@@ -68,6 +70,8 @@ def transformer_config(hf_config: Any, layout: Layout = Layout(), dtype: torch.d
               "num_query_groups": shapes.num_query_groups,
               "tensor_model_parallel_size": layout.tp, "pipeline_model_parallel_size": layout.pp,
               **overrides}
+    if kwargs.get("multi_latent_attention") and "apply_rope_fusion" not in overrides:
+        kwargs["apply_rope_fusion"] = False  # megatron-core: only with YaRN, and for training only
     if kwargs["num_query_groups"] % layout.tp or kwargs["num_query_groups"] % shapes.hf_query_groups:
         raise ValueError(f"num_query_groups={kwargs['num_query_groups']} must be a multiple of TP={layout.tp} "
                          f"and of the {shapes.hf_query_groups} kv heads")
