@@ -11,6 +11,7 @@
 #   bash tests/gpu/run_suite.sh rest     # quick without the smoke tests: after `smoke`, the rest of quick
 #   bash tests/gpu/run_suite.sh proofs   # the training proof and the RLHF proof              (~8 min)
 #   bash tests/gpu/run_suite.sh all      # both, where the call's time limit allows
+#   bash tests/gpu/run_suite.sh proofs -k rlhf   # arguments after the part go to pytest (one proof per call)
 #
 # The lm-eval tests need lm-evaluation-harness staged too (`bash benchmarks/stage_wheels.sh fa4 lmeval` here); the
 # dynamic inference engine needs FlashAttention-4 (fa4).
@@ -33,5 +34,5 @@ case "$part" in
   *) echo "error: unknown part '$part' (smoke, quick, rest, proofs or all)" >&2; exit 2 ;;
 esac
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-GPU_REPORT=$OUT/gpu_$part.jsonl python3 -m pytest -q -p no:warnings -p no:cacheprovider -rf --durations=8 "${sel[@]}" 2>&1 | tee "$OUT/gpu_$part.log" | tail -40
+GPU_REPORT=$OUT/gpu_$part.jsonl python3 -m pytest -q -p no:warnings -p no:cacheprovider -rf --durations=8 "${sel[@]}" "${@:2}" 2>&1 | tee "$OUT/gpu_$part.log" | tail -40
 exit "${PIPESTATUS[0]}"
