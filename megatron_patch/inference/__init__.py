@@ -228,13 +228,31 @@ def generate(model, tokenizer, prompts: list[list[int]], sampling: Sampling, *, 
         if not p:
             raise ValueError(f"prompt {i} is empty: generation needs at least one prompt token")
     check_lengths(prompts, sampling.max_new_tokens, context_length(model))
-    if choose_engine(model, engine) == "static":
-        from megatron_patch.inference.static import DEFAULT_BATCH_SIZE, generate_static
+    try:
+        if choose_engine(model, engine) == "static":
+            from megatron_patch.inference.static import DEFAULT_BATCH_SIZE, generate_static
 
-        if model.config.pipeline_model_parallel_size > 1:
-            raise ValueError("the static inference engine does not run pipeline-parallel models: use the dynamic "
-                             "one (--engine dynamic)")
-        return generate_static(model, tokenizer, prompts, sampling, max_batch_size or DEFAULT_BATCH_SIZE, on_tokens)
-    from megatron_patch.inference.dynamic import generate_dynamic
+            if model.config.pipeline_model_parallel_size > 1:
+                raise ValueError("the static inference engine does not run pipeline-parallel models: use the "
+                                 "dynamic one (--engine dynamic)")
+            return generate_static(model, tokenizer, prompts, sampling, max_batch_size or DEFAULT_BATCH_SIZE,
+                                   on_tokens)
+        from megatron_patch.inference.dynamic import generate_dynamic
 
-    return generate_dynamic(model, tokenizer, prompts, sampling, max_batch_size, on_tokens, kv_cache_gb, cuda_graphs)
+        return generate_dynamic(model, tokenizer, prompts, sampling, max_batch_size, on_tokens, kv_cache_gb,
+                                cuda_graphs)
+    finally:
+        forget_inference_rope()
+
+
+def forget_inference_rope() -> None:
+    """Drop the rotary embeddings megatron-core cached while generating (an lru_cache on the embedding classes'
+    `forward`, keyed by sequence length): made under `torch.inference_mode`, they are inference tensors, and a
+    training step that meets one in the cache fails where it saves it for backward (TE's fused RoPE does):
+    `Inference tensors cannot be saved for backward`. RLHF and custom trainers generate, then train."""
+    from megatron.core.models.common.embeddings import rotary_pos_embedding, yarn_rotary_pos_embedding
+
+    for cls in (rotary_pos_embedding.RotaryEmbedding, yarn_rotary_pos_embedding.YarnRotaryEmbedding):
+        clear = getattr(cls.forward, "cache_clear", None)
+        if clear is not None:
+            clear()

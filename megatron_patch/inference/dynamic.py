@@ -33,8 +33,9 @@ KV_SHARE_OF_FREE_MEMORY = 0.5
 # prepares and launches step k+1 before it resolves step k's requests, so the host's bookkeeping overlaps the
 # GPU's forward pass. The same tokens (tested); a request that stops (end token, stop string) costs one forward
 # pass that is thrown away. Measured at 8B on one H200 (`benchmarks/engine_probe.py --sched`): 12-18% less time
-# per decode step, identical tokens; on wherever megatron-core has it.
-ASYNC_SCHEDULING = True
+# per decode step, identical tokens. None: on where there is a GPU and megatron-core has it (on a CPU its async
+# path creates CUDA streams, which a plain CPU process cannot); True / False: on / off wherever megatron-core has it.
+ASYNC_SCHEDULING: bool | None = None
 
 
 def default_max_requests() -> int:
@@ -129,7 +130,15 @@ def plan_engine(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, ma
                       max_tokens=max(DynamicInferenceContext.DEFAULT_MAX_TOKENS, longest, n),
                       kv_cache_gb=budget / 1024 ** 3, cuda_graphs=cuda_graphs,
                       non_decode_graphs=not patches.attends_in_torch(model.config.params_dtype),
-                      async_scheduling=ASYNC_SCHEDULING and compat.async_scheduling_available())
+                      async_scheduling=async_scheduling())
+
+
+def async_scheduling() -> bool:
+    """Whether engines built now schedule asynchronously (`ASYNC_SCHEDULING`)."""
+    import torch
+
+    wanted = torch.cuda.is_available() if ASYNC_SCHEDULING is None else ASYNC_SCHEDULING
+    return bool(wanted) and compat.async_scheduling_available()
 
 
 def unsupported_attention(model) -> str | None:

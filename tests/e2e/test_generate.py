@@ -539,3 +539,48 @@ def test_stdin_prompts_under_torchrun_at_tp2(setup):
     rows = [json.loads(line) for line in two.stdout.splitlines() if line.startswith("{\"prompt\"")]
     assert [r["prompt"] for r in rows] == PROMPTS
     assert rows == [json.loads(line) for line in one.stdout.splitlines() if line.startswith("{\"prompt\"")]
+
+
+@pytest.mark.parametrize("engine", ["static", "dynamic"])
+def test_training_after_generating_with_fused_rope(setup, monkeypatch, engine):
+    """RLHF and custom trainers generate, then train the same model. megatron-core caches the rotary
+    embedding's tensor per sequence length (an lru_cache on `RotaryEmbedding.forward`); made while generating,
+    under `torch.inference_mode`, it is an inference tensor, and the fused RoPE (Transformer Engine's kernel,
+    on wherever there is a GPU) saves it for backward: `Inference tensors cannot be saved for backward` on the
+    first training step (found by the GPU smoke). Here TE's kernel is stood in for by an autograd function that
+    saves the frequencies as TE's does; a backward pass after `generate` must work."""
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    from megatron_patch.inference import Sampling, dynamic, generate, load_model
+    from megatron_patch.tokenizer import build_tokenizer
+
+    class SavesFreqs(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t, freqs):
+            ctx.save_for_backward(freqs)
+            return rope_utils._apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=False)
+
+        @staticmethod
+        def backward(ctx, grad):
+            (freqs,) = ctx.saved_tensors
+            return rope_utils._apply_rotary_pos_emb_bshd(grad, -freqs, rotary_interleaved=False), None
+
+    monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb",
+                        lambda t, freqs, interleaved=False: SavesFreqs.apply(t, freqs))
+    lengths = set()  # the sequence lengths generation asked the rotary embedding for (the cache's keys)
+    get_emb = RotaryEmbedding.get_emb
+    monkeypatch.setattr(RotaryEmbedding, "get_emb", lambda self, n, *a, **k: lengths.add(n) or get_emb(self, n, *a, **k))
+    _, _, mc = setup
+    tok = build_tokenizer(TINY_TOKENIZER)
+    model, _ = load_model(mc, None)
+    monkeypatch.setattr(model.config, "apply_rope_fusion", True)
+    ids = [tok.tokenize(p) for p in PROMPTS]
+    generate(model, tok, ids, Sampling(4, top_k=1), engine=engine)
+    dynamic.release_engine()
+    assert lengths
+    for n in sorted(lengths):  # a training step at each of those lengths
+        tokens = torch.randint(0, 100, (1, n))
+        model(tokens, torch.arange(n)[None], None).float().sum().backward()
+        assert all(p.grad is not None for p in model.parameters() if p.requires_grad), n
+        model.zero_grad(set_to_none=True)
