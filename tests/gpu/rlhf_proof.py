@@ -53,6 +53,10 @@ PPO_KL_COEF = 0.05
 # KL(pi* || ref) = E*[R] / beta - log Z <= (max R - min R) / beta: the toy reward lies in [0, 1], so a healthy
 # PPO run's per-completion KL stays below 1 / beta (20 nats at 0.05).
 PPO_KL_BOUND = 1 / PPO_KL_COEF
+# Adam moves each weight by about lr per optimizer step: GRPO's 30 steps at 1e-4 move the policy ~3e-3 and its
+# reward rises. PPO at 1e-4 with 2 epochs x 4 mini-batches (240 steps, ~2.4e-2) overshot on the GPU (2026-12-02:
+# KL 63.6 nats, reward 0.37 -> 0.20); 2e-5 with 2 x 2 (120 steps, ~2.4e-3) moves it as far as GRPO's.
+PPO_LR = 2e-5
 
 
 def online_rl(out: str, algorithm: str, *extra: str) -> tuple[dict, list[dict]]:
@@ -114,11 +118,14 @@ def main() -> None:
                      ["The module", "A list of", "When the function", "def f(x):", "The interpreter", "import os"])
     report["grpo"], _ = online_rl(out, "grpo", "--prompts-per-step", "6", "--group-size", "16", "--lr", "1e-4",
                                   "--kl-coef", "0.01")
-    ppo, history = online_rl(out, "ppo", "--prompts-per-step", "96", "--lr", "1e-4", "--critic-lr", "1e-4",
-                             "--kl-coef", str(PPO_KL_COEF), "--epochs", "2", "--mini-batches", "4")
+    ppo, history = online_rl(out, "ppo", "--prompts-per-step", "96", "--lr", str(PPO_LR), "--critic-lr", "1e-4",
+                             "--kl-coef", str(PPO_KL_COEF), "--epochs", "2", "--mini-batches", "2")
     value_loss = {i: r["value_loss"] for i, r in enumerate(history, 1)}
     report["ppo"] = {**ppo, "kl_bound": PPO_KL_BOUND, "value_loss_1_5": mean(value_loss, range(1, 6)),
-                     "value_loss_last5": mean(value_loss, range(len(history) - 4, len(history) + 1))}
+                     "value_loss_last5": mean(value_loss, range(len(history) - 4, len(history) + 1)),
+                     # per step, so a failed run shows where it went (reward, per-completion KL)
+                     "reward_per_step": [round(r["reward"], 3) for r in history],
+                     "kl_per_step": [round(r["kl"], 2) for r in history]}
     for k in ("reward_model", "dpo"):
         if report[k]["rc"]:
             report[k]["tail"] = (rm if k == "reward_model" else dpo)["text"][-1500:]
