@@ -331,7 +331,7 @@ def test_hybrid_model_under_te_equals_gpt_model(trained, dtype):
 
 @pytest.mark.smoke
 def test_bridge_refreshes_the_dynamic_engine_in_place(trained):
-    """Issue 32's GPU check: an 8B-width model (Llama-3-8B's widths, 4 layers: 0.9B parameters, TE, bf16)
+    """Issue 32's GPU check: an 8B-width model (Llama-3-8B's widths, 8 layers: 1.7B parameters, TE, bf16)
     streams its weights into a second model that a dynamic engine (CUDA graphs captured) serves; the refresh is
     timed, the served model then holds the weights bit for bit, and the cached engine's graphs generate what a fresh
     engine on the source model generates (same kernels, same weights: identical greedy tokens)."""
@@ -344,7 +344,7 @@ def test_bridge_refreshes_the_dynamic_engine_in_place(trained):
 
     hf_dir, prompts, _ = trained
     cfg = {**load_hf_config(hf_dir), "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
-           "num_key_value_heads": 8, "head_dim": 128, "num_hidden_layers": 4}
+           "num_key_value_heads": 8, "head_dim": 128, "num_hidden_layers": 8}
     bridge = Bridge(cfg)
     source = bridge.build(impl=TE, dtype=torch.bfloat16).eval()
     serving = bridge.build(impl=TE, dtype=torch.bfloat16).eval()
