@@ -570,7 +570,8 @@ def test_training_after_generating_with_fused_rope(setup, monkeypatch, engine):
                         lambda t, freqs, interleaved=False: SavesFreqs.apply(t, freqs))
     lengths = set()  # the sequence lengths generation asked the rotary embedding for (the cache's keys)
     get_emb = RotaryEmbedding.get_emb
-    monkeypatch.setattr(RotaryEmbedding, "get_emb", lambda self, n, *a, **k: lengths.add(n) or get_emb(self, n, *a, **k))
+    monkeypatch.setattr(RotaryEmbedding, "get_emb",
+                        lambda self, n, *a, **k: lengths.add(n) or get_emb(self, n, *a, **k))
     _, _, mc = setup
     tok = build_tokenizer(TINY_TOKENIZER)
     model, _ = load_model(mc, None)
