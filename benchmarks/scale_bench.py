@@ -21,8 +21,8 @@ table fills over several device calls; `table` keeps the latest row of each cell
 
 `losses` trains each layout `--iters` iterations from the same random HF checkpoint (`--load-hf`, made once
 in `--work`), on the same global batch, and compares every layout's losses with the first one's within
-TOLERANCE (the virtual pipeline is left out: `--load-hf` refuses it, and it changes only the order of the
-micro-batches). With `--cpu` the same commands run on Megatron's CPU path (gloo, fp32).
+TOLERANCE (the virtual pipeline too: `--load-hf` fills each model chunk). With `--cpu` the same commands run on
+Megatron's CPU path (gloo, fp32).
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ _DENSE = [Parallel(), Parallel(cp=2), Parallel(tp=2), Parallel(pp=2, vp=4)]
 LAYOUTS: dict[str, dict[int, list[Parallel]]] = {
     "8b-full": {1: [Parallel()], 2: _DENSE, 4: _DENSE, 8: _DENSE},
     "mixtral-8l": {2: [Parallel(ep=2)], 4: [Parallel(ep=4)], 8: [Parallel(ep=8), Parallel(ep=4)]},
-    "tiny": {1: [Parallel()], 2: [Parallel(), Parallel(tp=2), Parallel(pp=2)]},
+    "tiny": {1: [Parallel()], 2: [Parallel(), Parallel(tp=2), Parallel(pp=2), Parallel(pp=2, vp=2)]},
     "tiny-moe": {1: [Parallel()], 2: [Parallel(), Parallel(ep=2)]},
 }
 
@@ -309,7 +309,6 @@ def losses(a: argparse.Namespace) -> int:
             for gpus in a.gpus:
                 seen = set()
                 for par in _selected(shape, gpus, a.layouts):
-                    par = dataclasses.replace(par, vp=1)  # --load-hf refuses a virtual pipeline
                     problems = check(shape, par, gpus, a.global_batch, None if a.cpu else a.gpu_memory_gib,
                                      GRAD_BYTES)
                     if par in seen or problems or (not a.dry_run and gpus > _visible_gpus(a.cpu)):

@@ -114,11 +114,12 @@ class Bridge:
         """LoRA adapters on the model's linears (`targets`: linear_qkv, linear_proj, linear_fc1, linear_fc2 or
         all-linear), PEFT's initialisation (the same adapter at every layout), everything else frozen; after
         the base weights are loaded. Returns the number of adapted linears of this rank."""
-        from megatron_patch.conversion.live import live_plan
+        from megatron_patch.conversion.live import chunks, live_plan
         from megatron_patch.lora.adapters import LoRAConfig, apply_lora
 
         cfg = LoRAConfig(rank=rank, alpha=alpha, dropout=dropout, targets=tuple(targets), seed=seed)
-        return len(apply_lora(model, self.hf_config, cfg, live_plan(model, self.hf_config)))
+        plan = live_plan(model, self.hf_config)
+        return sum(len(apply_lora(chunk, self.hf_config, cfg, plan)) for chunk in chunks(model))
 
     def lora_adapter(self, model):
         """The model's LoRA adapter gathered whole on every rank (a collective), as `lora.peft.Adapter`:
@@ -147,10 +148,14 @@ class Bridge:
     def logits(self, model, tokens: Tensor) -> Tensor:
         """The model's full-vocabulary logits for `tokens` [batch, seq] (the same on every rank), float32, on
         the tokens' device, without gradient: gathered over TP, from the last pipeline stage, the vocabulary
-        padding cut off. A collective: every rank calls it with the same tokens."""
+        padding cut off. A collective: every rank calls it with the same tokens. With virtual pipeline
+        stages, `model` is the rank's list of chunks."""
+        from megatron_patch.conversion.live import chunks
         from megatron_patch.models.registry import vocab_size
         from megatron_patch.runtime.logits import megatron_logits
 
+        if isinstance(model, (list, tuple)):
+            model = chunks(model) if len(model) > 1 else model[0]
         return megatron_logits(model, tokens, vocab_size(self.hf_config))
 
     def save_hf(self, model, out: str, *, dtype: torch.dtype | None = None, overwrite: bool = False,

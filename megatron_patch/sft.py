@@ -23,7 +23,8 @@ def add_sft_args(parser):
     return parser
 
 
-def datasets_provider(train_val_test_num_samples):
+def datasets_provider(train_val_test_num_samples, vp_stage: int | None = None):
+    """Packed SFT conversations (`--sft-data`); per model chunk of a virtual pipeline (`vp_stage`) the same."""
     from megatron.training import get_args
 
     from megatron_patch.tokenizer import build_tokenizer

@@ -54,7 +54,8 @@ def record_train_steps() -> list[dict]:
     return logged
 
 
-def init_model_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, ep: int = 1, etp: int | None = None) -> None:
+def init_model_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, ep: int = 1, etp: int | None = None,
+                        vpp: int | None = None) -> None:
     """(Re)initialise megatron's model-parallel groups inside a running world, with the RNG
     tracker megatron-core needs (`tensor_parallel/random.py`: the inference tracker never touches
     CUDA RNG state)."""
@@ -64,7 +65,8 @@ def init_model_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, ep: int = 1,
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                 expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+                                 virtual_pipeline_model_parallel_size=vpp, expert_model_parallel_size=ep,
+                                 expert_tensor_parallel_size=etp)
     model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True, force_reset_rng=True)
 
 

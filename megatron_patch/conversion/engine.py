@@ -362,14 +362,19 @@ def extra_state_names(plan: Plan, stage: int) -> set[str]:
 
 
 def load_hf_into_rank(model: torch.nn.Module, plan: Plan, get: Callable[[str], Tensor], hf_keys: Iterable[str],
-                      dtype: torch.dtype | None = None, keep: Iterable[str] = (), reader: Any = None) -> None:
+                      dtype: torch.dtype | None = None, keep: Iterable[str] = (), reader: Any = None,
+                      stage: int | None = None) -> None:
     """Fill this process's part of a freshly built model from HF tensors (read by name through `get`):
     only its pipeline stage's tensors are read, and it keeps its TP / EP (expert TP) slice. `keep`: Megatron
     names whose values the model keeps (a reward head that starts fresh on a causal LM's backbone).
-    `reader`: read only this TP rank's slices where the mapping allows (`hf_to_megatron`)."""
+    `reader`: read only this TP rank's slices where the mapping allows (`hf_to_megatron`). `stage`: the
+    plan's stage the model is (default this rank's pipeline stage; a virtual pipeline's chunk: its virtual
+    stage in a plan made at PP x VPP stages)."""
     from megatron_patch.runtime.parallel import current_etp_rank, current_rank
 
     rank = current_rank()
+    if stage is not None:
+        rank = rank._replace(pp=stage)
     state = hf_to_megatron(plan, get, hf_keys, dtype, stages=[rank.pp], tp_ranks=[rank.tp], ep_ranks=[rank.ep],
                            etp_rank=current_etp_rank(), reader=reader)[rank]
     if getattr(model, "hybrid_layer_pattern", None) is not None:  # a HybridModel (models/hybrid.py)

@@ -34,17 +34,13 @@ from megatron_patch.models.family import Layout
 from megatron_patch.models.mappings import Mapping
 
 
-def _unwrap(model):
-    """The megatron-core model inside megatron.training's wrappers (DDP, FSDP, Float16Module: megatron-core's
-    `unwrap_model`); megatron.training's list of model chunks holds one without virtual pipeline stages."""
+def chunks(model) -> list:
+    """The megatron-core models inside megatron.training's wrappers (DDP, FSDP, Float16Module: megatron-core's
+    `unwrap_model`): one, or with virtual pipeline stages megatron.training's list of model chunks, where
+    chunk v of pipeline rank p is virtual stage v * PP + p (`Bridge.build` at `Layout(vpp=...)` builds it)."""
     from megatron.core.utils import unwrap_model
 
-    if isinstance(model, (list, tuple)):
-        if len(model) != 1:
-            raise ValueError(f"{len(model)} model chunks (virtual pipeline stages): not supported yet; pass "
-                             "the model of a run without --num-layers-per-virtual-pipeline-stage")
-        model = model[0]
-    return unwrap_model(model)
+    return [unwrap_model(m) for m in (model if isinstance(model, (list, tuple)) else [model])]
 
 
 def current_layout(make_vocab_size_divisible_by: int = 128) -> Layout:
@@ -54,20 +50,29 @@ def current_layout(make_vocab_size_divisible_by: int = 128) -> Layout:
     tp, ep = ps.get_tensor_model_parallel_world_size(), ps.get_expert_model_parallel_world_size()
     etp = ps.get_expert_tensor_parallel_world_size()
     return Layout(tp, ps.get_pipeline_model_parallel_world_size(), make_vocab_size_divisible_by, ep,
-                  None if etp == tp else etp)
+                  None if etp == tp else etp, vpp=ps.get_virtual_pipeline_model_parallel_world_size())
 
 
 def live_plan(model, hf_config: Any) -> Plan:
-    """The conversion plan of `model` as built (a GPTModel or HybridModel, wrapped or not): the current
-    layout, the model's implementation, its padded vocabulary and query groups."""
-    model = _unwrap(model)
-    return make_plan(hf_config, current_layout(), model.config.transformer_impl,
-                     padded_vocab_size=model.vocab_size, num_query_groups=model.config.num_query_groups)
+    """The conversion plan of `model` as built (a GPTModel or HybridModel, wrapped or not, or a virtual
+    pipeline's chunks): the current layout, the model's implementation, its padded vocabulary and query
+    groups. With V chunks per rank the plan's stages are the PP x V virtual stages (stage v * PP + p: chunk v
+    of pipeline rank p)."""
+    first = chunks(model)[0]
+    return make_plan(hf_config, current_layout().virtual_stages(len(chunks(model))), first.config.transformer_impl,
+                     padded_vocab_size=first.vocab_size, num_query_groups=first.config.num_query_groups)
+
+
+def _stages(model) -> list[tuple[int, Any]]:
+    """(virtual stage, chunk) of this rank's model chunks: stage v * PP + p for chunk v of pipeline rank p."""
+    from megatron.core import parallel_state as ps
+
+    pp, me = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+    return [(v * pp + me, m) for v, m in enumerate(chunks(model))]
 
 
 def _gpt_state(model) -> dict[str, Tensor]:
-    """This rank's weights under the GPT model's names (a HybridModel's renamed), without TE's extra state."""
-    model = _unwrap(model)
+    """A model chunk's weights under the GPT model's names (a HybridModel's renamed), without TE's extra state."""
     state = {k: v for k, v in model.state_dict().items() if not k.endswith("._extra_state")}
     if getattr(model, "hybrid_layer_pattern", None) is not None:
         from megatron_patch.models.hybrid import to_gpt_names
@@ -123,9 +128,10 @@ def load_hf_weights(model, hf_config: Any, source: str | MappingABC[str, Tensor]
         sliced = reader  # a folder is read in slices where the mapping allows
     else:
         reader, keys, sliced = _CountingMapping(source), list(source.keys()), None
-    model = _unwrap(model)
-    dtype = dtype or next(model.parameters()).dtype
-    load_hf_into_rank(model, live_plan(model, hf_config), reader.get, keys, dtype, reader=sliced)
+    plan = live_plan(model, hf_config)
+    for stage, chunk in _stages(model):
+        load_hf_into_rank(chunk, plan, reader.get, keys, dtype or next(chunk.parameters()).dtype, reader=sliced,
+                          stage=stage)
     return {"tensors": reader.tensors, "bytes_read": reader.bytes_read}
 
 
@@ -210,20 +216,20 @@ def export_adapter_weights(model) -> Iterator[tuple[str, Tensor]]:
 
     from megatron_patch.lora.adapters import PREFIX_A, PREFIX_B, adapted_modules
 
-    model = _unwrap(model)
-    device = next(model.parameters()).device
-    me, pp = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
-    for stage in range(pp):
+    mine_by_stage = dict(_stages(model))
+    device = next(chunks(model)[0].parameters()).device
+    pp = ps.get_pipeline_model_parallel_world_size()
+    for stage in range(pp * len(mine_by_stage)):
         mine = None
-        if stage == me:
+        if stage in mine_by_stage:
             mine = []
-            for m in adapted_modules(model):
+            for m in adapted_modules(mine_by_stage[stage]):
                 for s in m.lora_site.slices:
                     a, b = _whole_adapter(m, s, m.lora_A[s.name].detach(), m.lora_B[s.name].detach())
                     mine += [(f"{m.lora_site.canonical}.{PREFIX_A}.{s.name}", a.float().to(device)),
                              (f"{m.lora_site.canonical}.{PREFIX_B}.{s.name}", b.float().to(device))]
         if pp > 1:
-            mine = _from_stage(mine, stage, device)
+            mine = _from_stage(mine, stage % pp, device)
         yield from mine
 
 
@@ -237,7 +243,7 @@ def lora_adapter(model, hf_config: Any):
     if not tensors:
         return None
     # rank and scaling are one LoRAConfig's on every module; a stage without adapters asks another
-    m = next(iter(adapted_modules(_unwrap(model))), None)
+    m = next((m for chunk in chunks(model) for m in adapted_modules(chunk)), None)
     info = (m.lora_rank, m.lora_scaling, getattr(m.lora_dropout, "p", 0.0)) if m is not None else None
     if dist.is_initialized() and dist.get_world_size() > 1:
         gathered = [None] * dist.get_world_size()
@@ -254,8 +260,6 @@ def export_hf_weights(model, hf_config: Any, *, dtype: torch.dtype | None = None
     stage. Expert tensor parallelism different from TP is gathered over its own group. A LoRA model's
     adapted weights come merged (W + alpha / r * B @ A, as `lora.export --save-merged` writes them) unless
     `merge_lora=False` (the base weights)."""
-    from megatron_patch.runtime.parallel import current_rank
-
     adapter = lora_adapter(model, hf_config) if merge_lora else None
     if adapter is not None:
         from megatron_patch.lora.peft import merged
@@ -265,25 +269,26 @@ def export_hf_weights(model, hf_config: Any, *, dtype: torch.dtype | None = None
             yield name, (t.to(dtype) if dtype is not None else t)
         return
     plan = live_plan(model, hf_config)
-    state = _gpt_state(model)
-    me = current_rank()
-    device = next(_unwrap(model).parameters()).device
+    mine_by_stage = dict(_stages(model))
+    pp = plan.layout.pp // len(mine_by_stage)  # the plan's stages are the virtual ones
+    device = next(chunks(model)[0].parameters()).device
     for stage in range(plan.layout.pp):
-        if per_stage and stage != me.pp:
+        if per_stage and stage not in mine_by_stage:
             continue
+        state = _gpt_state(mine_by_stage[stage]) if stage in mine_by_stage else None
         for pl in plan.placements([stage]):
             if pl.copy:
                 continue  # the last stage's copy of a tied embedding
             mine = None
-            if stage == me.pp:
+            if state is not None:
                 # an expert's placement names its rank-local number: every EP rank holds a tensor of that name
                 full = _whole(plan, pl, state[pl.name])
                 mine = pl.mapping.to_hf(full, plan.shapes)
                 if pl.ep is not None and plan.layout.ep > 1:
                     mine = _from_ep_rank(mine, pl.ep)
                 mine = list(zip(pl.hf_names, mine))
-            if not per_stage and plan.layout.pp > 1:
-                mine = _from_stage(mine, stage, device)
+            if not per_stage and pp > 1:
+                mine = _from_stage(mine, stage % pp, device)
             for name, t in mine:
                 yield name, (t.to(dtype) if dtype is not None else t)
 

@@ -69,6 +69,7 @@ def transformer_config(hf_config: Any, layout: Layout = Layout(), dtype: torch.d
     kwargs = {**family.config_kwargs(hf_config), **runtime_config_kwargs(dtype),
               "num_query_groups": shapes.num_query_groups,
               "tensor_model_parallel_size": layout.tp, "pipeline_model_parallel_size": layout.pp,
+              **({"virtual_pipeline_model_parallel_size": layout.vpp} if layout.vpp else {}),
               **overrides}
     if kwargs.get("multi_latent_attention") and "apply_rope_fusion" not in overrides:
         kwargs["apply_rope_fusion"] = False  # megatron-core: only with YaRN, and for training only
@@ -133,7 +134,7 @@ def build_model(hf_config: Any, *deprecated_tp_pp: int, layout: Layout | None = 
     family = family or get_family(hf_config)
     config_overrides = {**class_fields(hf_config, family), **config_overrides}
     shapes = family.shapes(hf_config, layout)  # checks the layout against the model (`Layout.check`)
-    ensure_model_parallel(tp, pp, ep, layout.etp)
+    ensure_model_parallel(tp, pp, ep, layout.etp, layout.vpp)
     have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
             ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size())
     if have != (tp, pp, ep, layout.expert_tp):
@@ -141,13 +142,28 @@ def build_model(hf_config: Any, *deprecated_tp_pp: int, layout: Layout | None = 
                          f"but TP={tp}, PP={pp}, EP={ep}, ETP={layout.expert_tp} was asked for")
     config = transformer_config(hf_config, layout, dtype, family,
                                 **{"transformer_impl": impl, **config_overrides})
+    vocab = padded_vocab_size or shapes.padded_vocab_size
+    if layout.vpp:
+        # megatron.training's get_model: chunk v of pipeline rank p is virtual stage v * PP + p (interleaved)
+        if model_class != "gpt" or pre_process is not None or post_process is not None:
+            raise ValueError("virtual pipeline stages (VPP) are built for GPTModel only, each chunk's ends from "
+                             "its stage (megatron-core's HybridModel has no VPP)")
+        rank = ps.get_pipeline_model_parallel_rank()
+        ends = [(rank == 0 and v == 0, rank == pp - 1 and v == layout.vpp - 1) for v in range(layout.vpp)]
+        with patches.applied("cpu_cuda_calls"):  # MLA builds its rotary embedding on current_device()
+            return [_placed(build(hf_config, config, vocab, first, last, family=family, vp_stage=v), dtype, config)
+                    for v, (first, last) in enumerate(ends)]
     if pre_process is None:
         pre_process = ps.is_pipeline_first_stage()
     if post_process is None:
         post_process = ps.is_pipeline_last_stage()
-    with patches.applied("cpu_cuda_calls"):  # MLA builds its rotary embedding on current_device()
-        model = build(hf_config, config, padded_vocab_size or shapes.padded_vocab_size, pre_process,
-                      post_process, family=family)
+    with patches.applied("cpu_cuda_calls"):
+        model = build(hf_config, config, vocab, pre_process, post_process, family=family)
+    return _placed(model, dtype, config)
+
+
+def _placed(model, dtype: torch.dtype, config):
+    """A freshly built model in `dtype` on its device, as megatron.training's get_model leaves one."""
     if dtype != torch.float32:
         # torch norms (local spec without Apex) are built in fp32 whatever params_dtype says;
         # megatron.training casts the same way (Float16Module)

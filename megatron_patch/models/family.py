@@ -10,6 +10,7 @@ expert ranks lives in `megatron_patch.conversion.engine`; models are built by `m
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -92,6 +93,13 @@ class Layout:
                    getattr(args, "expert_tensor_parallel_size", None),
                    getattr(args, "context_parallel_size", 1) or 1,
                    getattr(args, "virtual_pipeline_model_parallel_size", None))
+
+    def virtual_stages(self, chunks: int | None = None) -> Layout:
+        """This layout with each virtual pipeline stage as a stage of its own (PP x VPP stages, no VPP; chunk v
+        of pipeline rank p is stage v * PP + p): the layout a conversion plan for a virtual pipeline's model
+        chunks is made at. `chunks`: the chunks per rank when this layout does not say (a built model's)."""
+        v = chunks or self.vpp or 1
+        return dataclasses.replace(self, pp=self.pp * v, vpp=None)
 
     def check(self, num_layers: int, num_heads: int, num_query_groups: int, num_experts: int = 0,
               expert_ffn: int | None = None, model: str = "the model") -> None:

@@ -16,7 +16,8 @@ def preference_settings(args) -> None:
     args.calculate_per_token_loss = True  # loss and metrics are per pair over the global batch
 
 
-def datasets_provider(train_val_test_num_samples):
+def datasets_provider(train_val_test_num_samples, vp_stage: int | None = None):
+    """Preference pairs (`--pref-data`); per model chunk of a virtual pipeline (`vp_stage`) the same."""
     from megatron.training import get_args
 
     from megatron_patch.rlhf.data import PreferenceDataset, read_preferences

@@ -16,12 +16,13 @@ def megatron_logits(model, input_ids: Tensor, vocab_size: int) -> Tensor | None:
     """Full-vocab logits [batch, seq, vocab] (float32) from a megatron-core GPTModel at any TP x PP, on the
     device of `input_ids` (the caller's: CPU ids give CPU logits, ids on the model's GPU keep them there).
 
-    Every rank of the model-parallel group calls this; the result is returned on all ranks."""
+    Every rank of the model-parallel group calls this; the result is returned on all ranks. `model` may be a
+    virtual pipeline's list of model chunks."""
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     from megatron_patch.runtime import pipeline
 
-    device = next(model.parameters()).device
+    device = next((model[0] if isinstance(model, (list, tuple)) else model).parameters()).device
     ids = input_ids.to(device)
     b, s = ids.shape
     pos = torch.arange(s, device=device).unsqueeze(0).expand(b, -1)

@@ -47,7 +47,7 @@ def join_launcher_world() -> bool:
     return True
 
 
-def ensure_model_parallel(tp: int, pp: int, ep: int = 1, etp: int | None = None) -> None:
+def ensure_model_parallel(tp: int, pp: int, ep: int = 1, etp: int | None = None, vpp: int | None = None) -> None:
     """Initialise a gloo world of one and TP=PP=1 model parallelism when nothing is set up yet
     (converter and verification tools; training sets up its own world). The RNG tracker is the
     inference one: these models only run forward passes."""
@@ -65,5 +65,6 @@ def ensure_model_parallel(tp: int, pp: int, ep: int = 1, etp: int | None = None)
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                     expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+                                     virtual_pipeline_model_parallel_size=vpp, expert_model_parallel_size=ep,
+                                     expert_tensor_parallel_size=etp)
         model_parallel_cuda_manual_seed(0, inference_rng_tracker=True, force_reset_rng=True)

@@ -4,7 +4,8 @@ stage's result sent to every stage, and what a training step needs around it (th
 shared by the first and last stages, a gradient norm over all model-parallel ranks).
 
 At PP = 1 the model runs directly; at PP > 1 through `megatron.core.pipeline_parallel.get_forward_backward_func`
-with one micro-batch (every rank of the TP x PP group calls with the same batch)."""
+with one micro-batch (every rank of the TP x PP group calls with the same batch). A virtual pipeline's list of
+model chunks runs forward only, stage after stage (`_forward_chunks`)."""
 
 from __future__ import annotations
 
@@ -44,13 +45,41 @@ def _positions(tokens: torch.Tensor, pos: torch.Tensor | None) -> torch.Tensor:
     return pos if pos is not None else torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
 
 
+def _forward_chunks(chunks: list, tokens: torch.Tensor, pos, mask):
+    """A virtual pipeline's forward pass (VPP: chunk v of pipeline rank p is virtual stage v * PP + p): each
+    stage runs on its rank and its hidden states go to the next stage's rank (a broadcast in the pipeline group,
+    in which every rank takes part). The last stage's output on the last rank, None elsewhere."""
+    from megatron.core import parallel_state as ps
+
+    group, pp, me = ps.get_pipeline_model_parallel_group(), _pp(), ps.get_pipeline_model_parallel_rank()
+    config, param = chunks[0].config, next(chunks[0].parameters())
+    seq = tokens.shape[1] // (ps.get_tensor_model_parallel_world_size() if config.sequence_parallel else 1)
+    hidden, last = None, pp * len(chunks) - 1
+    for stage in range(last + 1):
+        owner, out = stage % pp, None
+        if owner == me:
+            chunk = chunks[stage // pp]
+            if stage > 0:
+                chunk.set_input_tensor(hidden)
+            out = chunk(tokens, pos, mask)
+        if stage == last:
+            return out
+        hidden = out.contiguous() if out is not None else torch.empty(
+            (seq, tokens.shape[0], config.hidden_size), dtype=param.dtype, device=param.device)
+        dist.broadcast(hidden, dist.get_global_rank(group, owner), group=group)
+    return None
+
+
 def forward(model, tokens: torch.Tensor, pos: torch.Tensor | None = None, mask: torch.Tensor | None = None):
     """The model's output on the last pipeline stage (logits [b, s, vocab / TP], or what its head gives);
-    None on the other stages. Gradients are the caller's choice (`torch.no_grad()` around it, or not at PP = 1)."""
+    None on the other stages. Gradients are the caller's choice (`torch.no_grad()` around it, or not at PP = 1).
+    `model` may be a virtual pipeline's list of chunks (forward only)."""
     from megatron_patch import patches
 
     pos = _positions(tokens, pos)
     with patches.applied("cpu_cuda_calls"):
+        if isinstance(model, (list, tuple)):
+            return _forward_chunks(list(model), tokens, pos, mask)
         if _pp() == 1:
             return model(tokens, pos, mask)
         captured = _schedule(model, tokens, pos, mask, lambda out: (out.sum() * 0, out.detach()), forward_only=True)
@@ -81,6 +110,9 @@ def forward_backward(model, tokens: torch.Tensor, loss_fn: Callable[[torch.Tenso
     waiting for the gradient would wait forever): check the returned metrics instead."""
     from megatron_patch import patches
 
+    if isinstance(model, (list, tuple)):
+        raise ValueError("forward_backward takes one model per rank: a virtual pipeline's chunks train under "
+                         "megatron-core's interleaved schedule (get_forward_backward_func, >= PP micro-batches)")
     pos = _positions(tokens, pos)
     with patches.applied("cpu_cuda_calls"):
         if _pp() == 1:

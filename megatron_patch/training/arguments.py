@@ -161,9 +161,6 @@ def parse_args(argv: list[str] | None = None, extra_args_provider=None, indexed_
     if adjust is not None:
         adjust(args)
     validate_args(args, {})
-    if args.load_hf and args.virtual_pipeline_model_parallel_size:
-        raise ValueError("--load-hf with a virtual pipeline is not supported; convert with "
-                         "megatron-patch convert and --load instead")
     set_global_variables(args)
     _match_vocab(args, hf_config)
     # resuming a run (a checkpoint in --load) wins over --load-hf

@@ -82,8 +82,10 @@ def dataset_config_from_args(args):
     )
 
 
-def datasets_provider(train_val_test_num_samples):
-    """Megatron's blended GPT datasets (indexed `.bin`/`.idx` from `--data-path`, or `--mock-data`)."""
+def datasets_provider(train_val_test_num_samples, vp_stage: int | None = None):
+    """Megatron's blended GPT datasets (indexed `.bin`/`.idx` from `--data-path`, or `--mock-data`). With a
+    virtual pipeline megatron.training asks once per model chunk (`vp_stage`): each chunk gets its own loader
+    over the same samples, in the same order."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
     from megatron.training import get_args

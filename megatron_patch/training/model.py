@@ -51,11 +51,14 @@ def fuse_te_wgrad(model, wanted: bool) -> int:
     return n
 
 
-def load_hf_weights(model, hf_dir: str, hf_config: Any, args) -> None:
-    """Fill this rank's freshly built model from an HF checkpoint: only the tensors of this rank's
-    pipeline stage are read (one at a time, positioned reads), and of those only this TP rank's slices where
-    the mapping allows (`Mapping.read_plan`; tests/distributed/test_load_hf_slices.py). A reward
-    model may start from a causal LM: its backbone is read and the scalar head keeps its initialisation."""
+def load_hf_weights(model, hf_dir: str, hf_config: Any, args, vp_stage: int | None = None) -> None:
+    """Fill this rank's freshly built model (a virtual pipeline's chunk `vp_stage`) from an HF checkpoint:
+    only the tensors of its pipeline stage are read (one at a time, positioned reads), and of those only this
+    TP rank's slices where the mapping allows (`Mapping.read_plan`; tests/distributed/test_load_hf_slices.py).
+    A reward model may start from a causal LM: its backbone is read and the scalar head keeps its
+    initialisation."""
+    from megatron.core import parallel_state as ps
+
     from megatron_patch.conversion.engine import load_hf_into_rank, make_plan
     from megatron_patch.conversion.hf_io import HFCheckpoint
     from megatron_patch.models import load_hf_config
@@ -65,10 +68,12 @@ def load_hf_weights(model, hf_dir: str, hf_config: Any, args) -> None:
     ckpt = HFCheckpoint(hf_dir)
     fresh_head = is_reward_config(hf_config) and SCORE not in ckpt.keys()
     source = load_hf_config(hf_dir) if fresh_head else hf_config
-    plan = make_plan(source, layout, args.transformer_impl, padded_vocab_size=args.padded_vocab_size)
+    # a virtual pipeline: chunk v of pipeline rank p is stage v * PP + p of a plan at PP x VPP stages
+    stage = (vp_stage or 0) * layout.pp + ps.get_pipeline_model_parallel_rank() if layout.vpp else None
+    plan = make_plan(source, layout.virtual_stages(), args.transformer_impl, padded_vocab_size=args.padded_vocab_size)
     # a fresh head replaces the causal LM's output layer (and its bias, GPT-J's)
     head = ["output_layer.weight", "output_layer.bias"] if fresh_head else []
-    load_hf_into_rank(model, plan, ckpt.get, ckpt.keys(), keep=head, reader=ckpt)  # this rank's slices only
+    load_hf_into_rank(model, plan, ckpt.get, ckpt.keys(), keep=head, reader=ckpt, stage=stage)  # its slices only
 
 
 def make_model_provider(hf_config: Any):
@@ -87,7 +92,7 @@ def make_model_provider(hf_config: Any):
         fuse_te_wgrad(model, args.gradient_accumulation_fusion)
         lora = getattr(args, "lora", False)
         if args.load_hf and (not args.resuming or lora):  # a LoRA checkpoint holds the adapters, not the base
-            load_hf_weights(model, args.load_hf, hf_config, args)
+            load_hf_weights(model, args.load_hf, hf_config, args, vp_stage)
         if lora:
             from megatron_patch.lora.training import adapt
 

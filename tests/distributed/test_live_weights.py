@@ -12,6 +12,9 @@
   same step's weights exported at TP1 within the step's rounding (the TP1 run's optimizer step is the
   same arithmetic on whole tensors);
 - streaming the export holds a few tensors, not the model (a rank's peak resident set, measured);
+- virtual pipeline stages (TP1 x PP2 and TP2 x PP2, VPP2: a list of model chunks per rank) load and stream out
+  every HF tensor bit for bit, each chunk holding the layers megatron-core numbers it with, its logits HF's;
+  `save_hf` from the chunks equals `mcore-to-hf`;
 - the names in `megatron_patch.__all__` exist.
 """
 
@@ -32,11 +35,30 @@ VARIANTS = ["gqa", "tied", "qwen2_moe", "deepseek_v2"]
 MOE = {"qwen2_moe", "deepseek_v2"}
 LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2), (2, 1, 2)]  # (tp, pp, ep)
 CASES = [(v, *lay) for lay in LAYOUTS for v in VARIANTS if lay[2] == 1 or v in MOE]
+VIRTUAL = [(1, 2), (2, 2)]  # (tp, pp) with two virtual stages per pipeline rank (4 layers: one per chunk)
+
+
+def _round_trip(bridge, model, hf_dir: str) -> dict:
+    """Load the HF folder into the model, stream it out (whole, and per stage) and compare with the folder."""
+    from megatron_patch.conversion.hf_io import HFCheckpoint, read_all
+
+    source = read_all(hf_dir)
+    read = bridge.load_hf_weights(model)
+    streamed = dict(bridge.export_hf_weights(model))
+    stage = dict(bridge.export_hf_weights(model, per_stage=True))
+    return {
+        "names": sorted(streamed) == sorted(source),
+        "unequal": sorted(k for k in source if k in streamed and not torch.equal(streamed[k], source[k])),
+        "stage_names": sorted(stage),
+        "stage_equal": all(torch.equal(t, source[k]) for k, t in stage.items()),
+        "bytes_read": read["bytes_read"],
+        "bytes": HFCheckpoint(hf_dir).nbytes(),
+    }
 
 
 def _checks(rank: int, root: str) -> dict:
     from megatron_patch import Bridge, Layout
-    from megatron_patch.conversion.hf_io import HFCheckpoint, read_all
+    from megatron_patch.conversion.hf_io import read_all
 
     out = {}
     for tp, pp, ep in LAYOUTS:
@@ -44,21 +66,9 @@ def _checks(rank: int, root: str) -> dict:
         for variant in VARIANTS:
             if ep > 1 and variant not in MOE:
                 continue
-            hf_dir = os.path.join(root, variant)
-            source = read_all(hf_dir)
-            bridge = Bridge.from_hf(hf_dir)
+            bridge = Bridge.from_hf(os.path.join(root, variant))
             model = bridge.build(layout=Layout(tp=tp, pp=pp, ep=ep))
-            read = bridge.load_hf_weights(model)
-            streamed = dict(bridge.export_hf_weights(model))
-            stage = dict(bridge.export_hf_weights(model, per_stage=True))
-            out[(variant, tp, pp, ep)] = {
-                "names": sorted(streamed) == sorted(source),
-                "unequal": sorted(k for k in source if k in streamed and not torch.equal(streamed[k], source[k])),
-                "stage_names": sorted(stage),
-                "stage_equal": all(torch.equal(t, source[k]) for k, t in stage.items()),
-                "bytes_read": read["bytes_read"],
-                "bytes": HFCheckpoint(hf_dir).nbytes(),
-            }
+            out[(variant, tp, pp, ep)] = _round_trip(bridge, model, bridge.hf_dir)
             if (tp, pp, ep) == (2, 2, 1) and variant in ("gqa", "qwen2_moe"):
                 bridge.save_hf(model, os.path.join(root, f"saved-{variant}"))
             if ep == 1 and (tp, pp) in ((1, 1), (2, 2)) and variant in ("gqa", "tied"):
@@ -71,7 +81,24 @@ def _checks(rank: int, root: str) -> dict:
             streamed = dict(bridge.export_hf_weights(model))
             out["hybrid"] = sorted(streamed) == sorted(source) and all(torch.equal(streamed[k], source[k])
                                                                       for k in source)
+    for tp, pp in VIRTUAL:
+        _cpu.init_model_parallel(tp, pp, vpp=2)
+        for variant in VARIANTS:
+            bridge = Bridge.from_hf(os.path.join(root, variant))
+            chunks = bridge.build(layout=Layout(tp=tp, pp=pp, vpp=2))
+            out[("vpp", variant, tp, pp)] = {
+                **_round_trip(bridge, chunks, bridge.hf_dir),
+                # megatron-core's own numbering: chunk v of pipeline rank p holds global layer v * PP + p
+                "layers": [[layer.layer_number - 1 for layer in c.decoder.layers] for c in chunks],
+                "ends": [(c.pre_process, c.post_process) for c in chunks],
+                "logits": bridge.logits([c.eval() for c in chunks], _IDS),
+            }
+            if (tp, variant) == (2, "gqa"):
+                bridge.save_hf(chunks, os.path.join(root, "saved-vpp-gqa"))
     return out
+
+
+_IDS = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(5))
 
 
 def _one_step(bridge, model) -> dict:
@@ -148,6 +175,48 @@ def test_a_rank_reads_its_share(cpu_megatron, variant, tp, pp, ep):
     total = per_rank[0][(variant, tp, pp, ep)]["bytes"]
     assert all(r <= 1.3 * total / (tp * pp) for r in reads), (reads, total)
     assert sum(reads) >= total * len(reads) // (tp * pp * ep), (reads, total)  # EP ranks: their own experts
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("tp,pp", VIRTUAL)
+def test_virtual_pipeline_chunks(cpu_megatron, variant, tp, pp):
+    """A virtual pipeline (VPP 2: megatron.training's list of model chunks, `Bridge.build` at `Layout(vpp=2)`):
+    chunk v of pipeline rank p holds global layer v * PP + p by megatron-core's own numbering, the first chunk
+    of the first rank the embedding and the last of the last the output layer; loading and the streamed
+    export give back every HF tensor on every rank; per stage each rank gives its own chunks' tensors; a rank
+    reads about 1 / (TP x PP) of the checkpoint."""
+    from megatron_patch.conversion.hf_io import read_all
+
+    root, per_rank = _world()
+    source = read_all(os.path.join(root, variant))
+    with torch.no_grad():
+        ref = case(variant).ref(_IDS).logits
+    stages = {}
+    for rank, results in enumerate(per_rank):
+        r = results[("vpp", variant, tp, pp)]
+        p = rank // (len(per_rank) // pp)  # megatron-core's rank order (tp-cp-ep-dp-pp): PP slowest
+        assert r["layers"] == [[v * pp + p] for v in range(2)], (rank, r["layers"])
+        assert r["ends"] == [(p == 0 and v == 0, p == pp - 1 and v == 1) for v in range(2)], (rank, r["ends"])
+        assert r["names"] and r["unequal"] == [], (rank, r["unequal"])
+        assert r["stage_equal"], rank
+        assert r["bytes_read"] <= 1.3 * r["bytes"] / (tp * pp), (rank, r["bytes_read"], r["bytes"])
+        assert (r["logits"] - ref).abs().max().item() <= 1e-5, rank  # as tests/distributed/test_layouts.py
+        stages.setdefault(tuple(r["stage_names"]), []).append(rank)
+    assert len(stages) == pp and sorted(n for names in stages for n in names) == sorted(source), stages
+
+
+def test_virtual_pipeline_save_hf_equals_the_converter(cpu_megatron, tmp_path):
+    """`save_hf` of TP2 x PP2 x VPP2 chunks writes what `mcore-to-hf` writes of the converter's checkpoint."""
+    from megatron_patch.conversion.convert import hf_to_mcore, mcore_to_hf
+    from megatron_patch.conversion.hf_io import read_all
+    from megatron_patch.models import Layout
+
+    root, _ = _world()
+    hf_to_mcore(os.path.join(root, "gqa"), str(tmp_path / "mcore"), layout=Layout(tp=2, pp=2))
+    mcore_to_hf(str(tmp_path / "mcore"), str(tmp_path / "hf"))
+    ours, theirs = read_all(os.path.join(root, "saved-vpp-gqa")), read_all(str(tmp_path / "hf"))
+    assert sorted(ours) == sorted(theirs)
+    assert all(torch.equal(ours[k], theirs[k]) and ours[k].dtype == theirs[k].dtype for k in ours)
 
 
 @pytest.mark.parametrize("variant", ["gqa", "qwen2_moe"])
@@ -278,7 +347,7 @@ def test_refresh_in_place_from_a_streamed_export(cpu_megatron, variant, tmp_path
     assert storage == {n: p.data_ptr() for n, p in serving.named_parameters()}
 
 
-LORA_LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
+LORA_LAYOUTS = [(1, 1, None), (2, 1, None), (1, 2, None), (2, 2, None), (2, 2, 2)]  # (tp, pp, vpp)
 
 
 def _whole_adapter(hf_dir: str) -> dict:
@@ -304,22 +373,23 @@ def _lora_checks(rank: int, root: str, adapters: str) -> dict:
 
     whole = torch.load(adapters, weights_only=True)
     out = {}
-    for tp, pp in LORA_LAYOUTS:
-        _cpu.init_model_parallel(tp, pp)
+    for tp, pp, vpp in LORA_LAYOUTS:
+        _cpu.init_model_parallel(tp, pp, vpp=vpp)
         for variant in ("gqa", "tied"):
             bridge = Bridge.from_hf(os.path.join(root, variant))
-            model = bridge.build(layout=Layout(tp=tp, pp=pp))
+            model = bridge.build(layout=Layout(tp=tp, pp=pp, vpp=vpp))
             bridge.load_hf_weights(model)
             bridge.add_lora(model, rank=4, alpha=8.0)
-            load_adapter(model, whole[variant])
+            for chunk in model if vpp else [model]:
+                load_adapter(chunk, whole[variant])
             adapter = bridge.lora_adapter(model)
-            out[(variant, tp, pp)] = {
+            out[(variant, tp, pp, vpp)] = {
                 "adapter": {m: (a.cpu(), b.cpu()) for m, (a, b) in adapter.modules.items()},
                 "rank_alpha": (adapter.rank, adapter.alpha),
                 "merged": dict(bridge.export_hf_weights(model)),
                 "base": dict(bridge.export_hf_weights(model, merge_lora=False)),
             }
-            if (tp, pp) == (2, 2):
+            if (tp, pp, vpp) == (2, 2, 2):
                 bridge.save_peft(model, os.path.join(root, f"peft-{variant}"), overwrite=True)
     return out
 
@@ -335,10 +405,10 @@ def _lora_world() -> tuple[str, dict, list]:
 
 @pytest.mark.parametrize("variant", ["gqa", "tied"])
 def test_lora_adapter_and_merged_export(cpu_megatron, variant):
-    """A LoRA model at TP1, TP2, PP2 and TP2xPP2 (adapters set from one whole HF-layout adapter): the gathered
-    adapter is that adapter in PEFT's terms bit for bit; the streamed export is the base merged with it as
+    """A LoRA model at TP1, TP2, PP2, TP2xPP2 and TP2xPP2xVPP2 (adapters set from one whole HF-layout adapter):
+    the gathered adapter is that adapter in PEFT's terms bit for bit; the streamed export is the base merged with it as
     `lora.export --save-merged` merges (`peft.merge_into`), bit for bit, and `merge_lora=False` gives the base;
-    `save_peft` at TP2xPP2 writes a PEFT folder holding the adapter."""
+    `save_peft` at TP2xPP2xVPP2 writes a PEFT folder holding the adapter."""
     from megatron_patch.conversion.engine import make_plan
     from megatron_patch.conversion.hf_io import HFCheckpoint, read_all
     from megatron_patch.lora.peft import merge_into, read_peft, to_peft
@@ -352,8 +422,8 @@ def test_lora_adapter_and_merged_export(cpu_megatron, variant):
     source = read_all(hf_dir)
     assert any(not torch.equal(merged[k], source[k]) for k in source)  # the adapter changes the weights
     for rank, results in enumerate(per_rank):
-        for tp, pp in LORA_LAYOUTS:
-            r = results[(variant, tp, pp)]
+        for tp, pp, vpp in LORA_LAYOUTS:
+            r = results[(variant, tp, pp, vpp)]
             assert r["rank_alpha"] == (4, 8.0)
             assert r["adapter"].keys() == want.modules.keys()
             for m, (a, b) in want.modules.items():
@@ -365,16 +435,6 @@ def test_lora_adapter_and_merged_export(cpu_megatron, variant):
     assert (saved.rank, saved.alpha) == (4, 8.0) and saved.modules.keys() == want.modules.keys()
     assert all(torch.equal(saved.modules[m][0], a) and torch.equal(saved.modules[m][1], b)
                for m, (a, b) in want.modules.items())
-
-
-def test_virtual_pipeline_chunks_are_refused_in_one_line(cpu_megatron):
-    from megatron_patch import Bridge
-    from tests.models import llama_config
-
-    bridge = Bridge(llama_config("gqa"))
-    model = bridge.build()
-    with pytest.raises(ValueError, match="2 model chunks"):
-        next(bridge.export_hf_weights([model, model]))
 
 
 def test_public_names_exist():

@@ -126,6 +126,18 @@ def test_tp2_from_hf_matches_tp1(from_hf_tp1, corpus, hf_start, tmp_path):
     assert max(abs(a - b) for a, b in zip(run["losses"], tp1)) <= 1e-5
 
 
+def test_virtual_pipeline_from_hf_matches_tp1(from_hf_tp1, corpus, hf_start, tmp_path):
+    """--load-hf into a virtual pipeline (PP2 x VPP2: megatron.training's interleaved schedule, each rank two
+    model chunks, one layer each, chunk v of rank p holding layer 2v + p): the same losses as TP=1 (fp32;
+    reduction order only)."""
+    run = _train(2, _argv(corpus, str(tmp_path / "ckpt"), "--train-iters", "4", "--make-vocab-size-divisible-by", "4",
+                          "--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2",
+                          model=("--load-hf", hf_start)))
+    tp1 = from_hf_tp1[0]["losses"]
+    assert len(run["losses"]) == len(tp1) == 8
+    assert max(abs(a - b) for a, b in zip(run["losses"], tp1)) <= 1e-5
+
+
 def _parse_errors(rank: int, argvs: list[list[str]]) -> list[str]:
     _cpu.install_training()
     from megatron_patch.training.arguments import parse_args

@@ -129,7 +129,7 @@ def _cli(*args: str) -> list[str]:
 
 def test_dry_run_prints_every_command():
     """`run --dry-run` prints one command per valid layout and says why the others cannot run; `losses
-    --dry-run` starts every layout from the same HF folder on the same global batch, without VP."""
+    --dry-run` starts every layout from the same HF folder on the same global batch, VP included."""
     lines = _cli("run", "--dry-run", "--shapes", "8b-full", "mixtral-8l", "--gpus", "1", "2", "8",
                  "--precisions", "bf16")
     assert lines[0].startswith("# dp1: does not fit")
@@ -142,7 +142,7 @@ def test_dry_run_prints_every_command():
     assert len(cmds) == 2 and all(_opt(c, "--load-hf") == os.path.join("W", "hf-8b-full") for c in cmds)
     assert all(_opt(c, "--global-batch-size") == "8" and _opt(c, "--train-iters") == "20" for c in cmds)
     assert _opt(cmds[1], "--pipeline-model-parallel-size") == "2"
-    assert not any("--num-virtual-stages-per-pipeline-rank" in c for c in cmds)  # --load-hf refuses it
+    assert _opt(cmds[1], "--num-virtual-stages-per-pipeline-rank") == "4"  # --load-hf fills each model chunk
 
 
 def test_flop_count_is_megatrons_formula():
