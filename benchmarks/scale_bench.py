@@ -224,22 +224,7 @@ def compare_losses(runs: dict[str, list[float] | None], iterations: int, toleran
 
 def hf_start(shape: str, folder: str) -> str:
     """A random HF checkpoint of the shape (transformers' own initialisation, seed 0), made once."""
-    if os.path.isfile(os.path.join(folder, "config.json")):
-        return folder
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**tb.config(SHAPES[shape])),
-                                                 dtype=torch.bfloat16 if device == "cuda" else torch.float32)
-    model.save_pretrained(folder + ".partial")
-    os.replace(folder + ".partial", folder)
-    del model
-    if device == "cuda":
-        torch.cuda.empty_cache()
-    return folder
+    return tb.random_hf(tb.config(SHAPES[shape]), folder)
 
 
 def _visible_gpus(cpu: bool) -> int:

@@ -72,8 +72,8 @@ RUNS: dict[str, tuple[str, str, list[str], dict[str, str]]] = {
     "bf16 mbs2": ("bf16", "default", ["@mbs2"], {}),
     # issue 29: HybridModel against GPTModel, LoRA against full training (same shape, same run)
     "bf16 +hybrid": ("bf16", "default", ["--model-class", "hybrid"], {}),
-    "bf16 +lora": ("bf16", "default", ["--lora-rank", "16", "--lora-alpha", "32"], {}),
-    "fp8 +lora": ("fp8", "default", ["--lora-rank", "16", "--lora-alpha", "32"], {}),
+    "bf16 +lora": ("bf16", "default", ["@hf-base", "--lora-rank", "16", "--lora-alpha", "32"], {}),
+    "fp8 +lora": ("fp8", "default", ["@hf-base", "--lora-rank", "16", "--lora-alpha", "32"], {}),
     "fp8 none": ("fp8", "none", [], {}),
     "fp8": ("fp8", "default", [], {}),
     "fp8 benchmark": ("fp8", "benchmark", [], {}),
@@ -133,11 +133,16 @@ def flops_per_sample(shape: str | dict) -> float:
 
 def our_command(shape: str, run: str, iters: int, micro_batches: int, gpus: int, config_path: str,
                 trace_dir: str | None = None) -> tuple[list[str], dict[str, str]]:
-    """The pretrain command of one run (mock data, no checkpoint, a log line per iteration)."""
+    """The pretrain command of one run (mock data, no checkpoint, a log line per iteration). A run marked
+    `@hf-base` (LoRA: adapters on a pretrained base) starts from the random HF checkpoint `random_hf` makes
+    beside `config_path` instead of the config alone."""
     precision, profile, extra, env = RUNS[run]
     s = SHAPES[shape]
     mbs = 2 * s["mbs"] if "@mbs2" in extra else s["mbs"]
-    extra = [e for e in extra if e != "@mbs2"]
+    model = ["--hf-config", config_path]
+    if "@hf-base" in extra:
+        model = ["--load-hf", os.path.join(os.path.dirname(config_path), f"hf-{shape}")]
+    extra = [e for e in extra if e not in ("@mbs2", "@hf-base")]
     model_parallel = 1
     for flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size"):
         if flag in extra:
@@ -145,8 +150,8 @@ def our_command(shape: str, run: str, iters: int, micro_batches: int, gpus: int,
     # each model replica takes `micro_batches` micro-batches of the shape's size per optimizer step (a run
     # with twice the micro-batch size takes half as many: the same samples)
     global_batch = micro_batches * s["mbs"] * (gpus // model_parallel)
-    return pretrain_command(gpus, ["--hf-config", config_path], s["seq"], mbs, global_batch, iters, precision, profile,
-                            extra, env, trace_dir=trace_dir)
+    return pretrain_command(gpus, model, s["seq"], mbs, global_batch, iters, precision, profile, extra, env,
+                            trace_dir=trace_dir)
 
 
 def pretrain_command(gpus: int, model: list[str], seq: int, mbs: int, global_batch: int, iters: int, precision: str,
@@ -171,11 +176,34 @@ def pretrain_command(gpus: int, model: list[str], seq: int, mbs: int, global_bat
                  "PYTHONPATH": ROOT + ":" + os.environ.get("PYTHONPATH", ""), **(env or {})}
 
 
+def random_hf(cfg: dict, folder: str) -> str:
+    """A random HF checkpoint of an HF config (transformers' own initialisation, seed 0; bf16 on a GPU), made
+    once: the `--load-hf` start of LoRA runs here and of scale_bench's loss comparison."""
+    if os.path.isfile(os.path.join(folder, "config.json")):
+        return folder
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg),
+                                                 dtype=torch.bfloat16 if device == "cuda" else torch.float32)
+    model.save_pretrained(folder + ".partial")
+    os.replace(folder + ".partial", folder)
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return folder
+
+
 def ours(shape: str, run: str, iters: int, micro_batches: int, gpus: int, tmp: str,
          trace_dir: str | None = None) -> dict:
     path = os.path.join(tmp, f"{shape}.json")
     with open(path, "w") as f:
         json.dump(config(shape), f)
+    if "@hf-base" in RUNS[run][2]:
+        random_hf(config(shape), os.path.join(tmp, f"hf-{shape}"))
     return run_pretrain(*our_command(shape, run, iters, micro_batches, gpus, path, trace_dir))
 
 
