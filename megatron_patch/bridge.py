@@ -14,6 +14,9 @@ folder. docs/python-api.md has a worked example.
         ...
     bridge.save_hf(model, "out")                          # rank 0 writes
 
+With a virtual pipeline (`Layout(pp=2, vpp=2)`) `build` returns the rank's list of model chunks, which every
+method takes as it is.
+
 Model parallelism is set up by `build` when nothing else did (`torch.distributed` from torchrun's
 environment; megatron-core's parallel state at the layout); a trainer that set it up itself keeps its own.
 """
@@ -60,7 +63,9 @@ class Bridge:
     def build(self, *, layout: Layout = Layout(), impl: Impl = "local", dtype: torch.dtype = torch.float32,
               model_class: str = "gpt", **overrides):
         """This rank's model (megatron-core `GPTModel`, or `HybridModel` with `model_class="hybrid"`) at
-        `layout`, with freshly initialised weights (`load_hf_weights` fills them)."""
+        `layout`, with freshly initialised weights (`load_hf_weights` fills them). With `layout.vpp` = V (a
+        virtual pipeline, GPTModel): the rank's list of V model chunks, chunk v holding virtual stage
+        v * PP + p as megatron.training's `get_model` builds them; every method here takes that list."""
         from megatron_patch.models.build import build_model
 
         return build_model(self.hf_config, layout=layout, impl=impl, dtype=dtype, family=self.family,
