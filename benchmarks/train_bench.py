@@ -25,7 +25,9 @@ Measured: the median step time over the second half of the iterations (the first
 tokens/s (the headline), TFLOP/s by Megatron's formula (`megatron.training.training.
 num_floating_point_operations`: causal attention and the output layer counted) for every side, and peak GPU
 memory. `--losses N` also runs N iterations of each of our runs from the same seed and reports the largest
-loss difference to the same-precision `none` run (tuned settings must train the same, up to bf16 noise).
+loss difference to its reference run: the same-precision `none` run (tuned settings must train the same, up to
+bf16 noise), or the run LOSS_REFERENCE names (`+hybrid`: GPTModel at the same settings; HybridModel must train
+as GPTModel does). LoRA runs have none (they train other weights).
 `--trace RUN` records a PyTorch profiler trace of that run's iterations 6-7 and prints where the time goes
 (`benchmarks/trace_summary.py`).
 """
@@ -92,6 +94,31 @@ RUNS: dict[str, tuple[str, str, list[str], dict[str, str]]] = {
     "fp8 pp2": ("fp8", "default", ["--pipeline-model-parallel-size", "2"], {}),
     "fp8 dp2": ("fp8", "default", ["--overlap-grad-reduce", "--overlap-param-gather"], {}),
 }
+# `--losses`: the run a run's losses are compared with, where it is not its precision's `none` run (None: no
+# comparison; LoRA trains other weights)
+LOSS_REFERENCE: dict[str, str | None] = {"bf16 +hybrid": "bf16", "bf16 +lora": None, "fp8 +lora": None}
+
+
+def loss_reference(run: str) -> str | None:
+    """The run `run`'s losses are compared with under `--losses`."""
+    return LOSS_REFERENCE[run] if run in LOSS_REFERENCE else f"{RUNS[run][0]} none"
+
+
+def with_references(runs: list[str]) -> list[str]:
+    """`runs` and the loss references they need, each reference before the runs compared with it."""
+    order: list[str] = []
+
+    def visit(run: str) -> None:
+        reference = loss_reference(run)
+        if reference is not None and reference != run:
+            visit(reference)
+        if run not in order:
+            order.append(run)
+
+    for run in runs:
+        visit(run)
+    return order
+
 HF_RUNS = ("hf", "hf-liger", "hf-compile")
 
 
@@ -302,7 +329,7 @@ def table_row(shape: str, name: str, r: dict, flops: float, gpus: int, hf_rate: 
 class ShapeRows:
     """The rows of one shape, each printed as soon as it is measured (a call cut by its time limit keeps what it
     printed): HF's row is the reference of the rows after it; with `losses`, a run's losses are compared with
-    its precision's `none` run, measured before it."""
+    its reference run (`loss_reference`), measured before it."""
 
     def __init__(self, shape: str, flops: float, gpus: int, losses: int, rows: list[dict]):
         self.shape, self.flops, self.gpus, self.losses, self.rows = shape, flops, gpus, losses, rows
@@ -320,11 +347,17 @@ class ShapeRows:
                 self.hf_rate, row["vs_hf"] = row["tokens_per_s"], 1.0
             if "titan_log" in result:  # torchtitan's own last log line (its tokens/s and MFU)
                 row["torchtitan_log"] = result["titan_log"]
-            if self.losses and name.startswith("ours "):
-                ref = self.results.get(f"ours {RUNS[name[5:]][0]} none", {}).get("losses", [])
-                row["max_loss_diff_vs_none"] = loss_difference(result.get("losses", []), ref, self.losses)
+            reference = loss_reference(name[5:]) if name.startswith("ours ") else None
+            if self.losses and reference not in (None, name[5:]):
+                ref = self.results.get(f"ours {reference}", {}).get("losses", [])
+                row["loss_reference"] = reference
+                row["max_loss_diff"] = loss_difference(result.get("losses", []), ref, self.losses)
         self.rows.append(row)
         print(json.dumps(row), flush=True)
+
+
+def _loss_cell(row: dict) -> str:
+    return f"{row['max_loss_diff']} (vs {row['loss_reference']})" if "max_loss_diff" in row else ""
 
 
 def main() -> None:
@@ -365,7 +398,7 @@ def main() -> None:
                 shape_rows.add(name, titan_peer.run(SHAPES[shape], VOCAB, name, a.iters, a.micro_batches))
             runs = list(a.runs)
             if a.losses:  # the references of the loss comparison, measured first
-                runs = [f"{p} none" for p in sorted({RUNS[r][0] for r in a.runs}) if f"{p} none" not in runs] + runs
+                runs = with_references(runs)
             for run in runs:
                 shape_rows.add(f"ours {run}", ours(shape, run, max(a.iters, a.losses), a.micro_batches, a.gpus, tmp))
             if a.trace:
@@ -378,14 +411,14 @@ def main() -> None:
           f"TE {meta.get('transformer_engine')}, transformers {meta.get('transformers')}, "
           f"torchtitan {meta.get('torchtitan')}; "
           f"{a.micro_batches} micro-batches per step")
-    print("| shape | run | tokens/s | TFLOP/s per GPU | × HF | peak GB | max Δloss vs none |")
+    print("| shape | run | tokens/s | TFLOP/s per GPU | × HF | peak GB | max Δloss (vs) |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
             print(f"| {r['shape']} | {r['run']} | error: {r['error'].splitlines()[-1] if r['error'] else ''} | | | | |")
         else:
             print(f"| {r['shape']} | {r['run']} | {r['tokens_per_s']:,} | {r['tflops_per_gpu']} | {r['vs_hf']} | "
-                  f"{r['peak_gb']} | {r.get('max_loss_diff_vs_none', '')} |")
+                  f"{r['peak_gb']} | {_loss_cell(r)} |")
     print(json.dumps({"meta": meta, "rows": rows}))
 
 

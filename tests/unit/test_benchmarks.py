@@ -255,5 +255,22 @@ def test_rows_are_printed_as_measured(capsys):
     printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert printed == rows[1:]
     assert rows[1]["vs_hf"] == 2.0 and rows[2]["vs_hf"] == 2.5 and rows[2]["tflops_per_gpu"] == 10.0
-    assert rows[2]["max_loss_diff_vs_none"] == pytest.approx(0.001, abs=1e-9)
+    assert rows[2]["max_loss_diff"] == pytest.approx(0.001, abs=1e-9) and rows[2]["loss_reference"] == "bf16 none"
     assert rows[3] == {"shape": "8b", "run": "torchtitan", "error": "torchtitan not installed"}
+    assert "max_loss_diff" not in rows[1]  # a reference is not compared with itself
+    # HybridModel is compared with GPTModel at its settings; LoRA (other weights trained) with nothing
+    table.add("ours bf16 +hybrid", {"s_per_iter": 0.8, "samples": 8, "peak_gb": 60.0, "losses": [11.0, 10.0, 9.002]})
+    table.add("ours bf16 +lora", {"s_per_iter": 0.6, "samples": 8, "peak_gb": 20.0, "losses": [11.0, 10.5, 10.0]})
+    assert rows[4]["loss_reference"] == "bf16" and rows[4]["max_loss_diff"] == pytest.approx(0.002, abs=1e-9)
+    assert "max_loss_diff" not in rows[5]
+
+
+def test_loss_references_are_measured_first():
+    """`--losses` runs every reference before the runs compared with it."""
+    import train_bench as tb
+
+    assert [tb.loss_reference(r) for r in ("bf16", "fp8 tensorwise", "bf16 +hybrid", "bf16 +lora")] == \
+        ["bf16 none", "fp8 none", "bf16", None]
+    assert all(r is None or r in tb.RUNS for r in map(tb.loss_reference, tb.RUNS))
+    assert tb.with_references(["bf16 +hybrid", "bf16 +lora", "fp8"]) == \
+        ["bf16 none", "bf16", "bf16 +hybrid", "bf16 +lora", "fp8 none", "fp8"]
