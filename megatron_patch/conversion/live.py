@@ -58,17 +58,18 @@ def live_plan(model, hf_config: Any) -> Plan:
     pipeline's chunks): the current layout, the model's implementation, its padded vocabulary and query
     groups. With V chunks per rank the plan's stages are the PP x V virtual stages (stage v * PP + p: chunk v
     of pipeline rank p)."""
-    first = chunks(model)[0]
-    return make_plan(hf_config, current_layout().virtual_stages(len(chunks(model))), first.config.transformer_impl,
+    parts = chunks(model)
+    first = parts[0]
+    return make_plan(hf_config, current_layout().virtual_stages(len(parts)), first.config.transformer_impl,
                      padded_vocab_size=first.vocab_size, num_query_groups=first.config.num_query_groups)
 
 
 def _stages(model) -> list[tuple[int, Any]]:
-    """(virtual stage, chunk) of this rank's model chunks: stage v * PP + p for chunk v of pipeline rank p."""
+    """(virtual stage, chunk) of this rank's model chunks (`Layout.virtual_stage`)."""
     from megatron.core import parallel_state as ps
 
-    pp, me = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
-    return [(v * pp + me, m) for v, m in enumerate(chunks(model))]
+    layout, me = current_layout(), ps.get_pipeline_model_parallel_rank()
+    return [(layout.virtual_stage(v, me), m) for v, m in enumerate(chunks(model))]
 
 
 def _gpt_state(model) -> dict[str, Tensor]:

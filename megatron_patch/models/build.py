@@ -144,12 +144,12 @@ def build_model(hf_config: Any, *deprecated_tp_pp: int, layout: Layout | None = 
                                 **{"transformer_impl": impl, **config_overrides})
     vocab = padded_vocab_size or shapes.padded_vocab_size
     if layout.vpp:
-        # megatron.training's get_model: chunk v of pipeline rank p is virtual stage v * PP + p (interleaved)
+        # megatron.training's get_model: chunk v of pipeline rank p is stage layout.virtual_stage(v, p)
         if model_class != "gpt" or pre_process is not None or post_process is not None:
             raise ValueError("virtual pipeline stages (VPP) are built for GPTModel only, each chunk's ends from "
                              "its stage (megatron-core's HybridModel has no VPP)")
-        rank = ps.get_pipeline_model_parallel_rank()
-        ends = [(rank == 0 and v == 0, rank == pp - 1 and v == layout.vpp - 1) for v in range(layout.vpp)]
+        rank, stages = ps.get_pipeline_model_parallel_rank(), pp * layout.vpp
+        ends = [(s == 0, s == stages - 1) for s in (layout.virtual_stage(v, rank) for v in range(layout.vpp))]
         with patches.applied("cpu_cuda_calls"):  # MLA builds its rotary embedding on current_device()
             return [_placed(build(hf_config, config, vocab, first, last, family=family, vp_stage=v), dtype, config)
                     for v, (first, last) in enumerate(ends)]

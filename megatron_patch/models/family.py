@@ -94,10 +94,16 @@ class Layout:
                    getattr(args, "context_parallel_size", 1) or 1,
                    getattr(args, "virtual_pipeline_model_parallel_size", None))
 
+    def virtual_stage(self, chunk: int, pp_rank: int) -> int:
+        """The virtual pipeline stage of model chunk `chunk` on pipeline rank `pp_rank`: chunk v of rank p is
+        stage v * PP + p (megatron-core's interleaved schedule; chunk 0 of every rank first)."""
+        return chunk * self.pp + pp_rank
+
     def virtual_stages(self, chunks: int | None = None) -> Layout:
-        """This layout with each virtual pipeline stage as a stage of its own (PP x VPP stages, no VPP; chunk v
-        of pipeline rank p is stage v * PP + p): the layout a conversion plan for a virtual pipeline's model
-        chunks is made at. `chunks`: the chunks per rank when this layout does not say (a built model's)."""
+        """This layout with each virtual pipeline stage as a stage of its own (PP x VPP stages, no VPP; stage
+        `virtual_stage(v, p)` of pipeline rank p's chunk v): the layout a conversion plan for a virtual
+        pipeline's model chunks is made at. `chunks`: the chunks per rank when this layout does not say (a
+        built model's)."""
         v = chunks or self.vpp or 1
         return dataclasses.replace(self, pp=self.pp * v, vpp=None)
 

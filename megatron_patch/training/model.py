@@ -68,8 +68,8 @@ def load_hf_weights(model, hf_dir: str, hf_config: Any, args, vp_stage: int | No
     ckpt = HFCheckpoint(hf_dir)
     fresh_head = is_reward_config(hf_config) and SCORE not in ckpt.keys()
     source = load_hf_config(hf_dir) if fresh_head else hf_config
-    # a virtual pipeline: chunk v of pipeline rank p is stage v * PP + p of a plan at PP x VPP stages
-    stage = (vp_stage or 0) * layout.pp + ps.get_pipeline_model_parallel_rank() if layout.vpp else None
+    # a virtual pipeline: each chunk is one stage of a plan at PP x VPP stages
+    stage = layout.virtual_stage(vp_stage or 0, ps.get_pipeline_model_parallel_rank()) if layout.vpp else None
     plan = make_plan(source, layout.virtual_stages(), args.transformer_impl, padded_vocab_size=args.padded_vocab_size)
     # a fresh head replaces the causal LM's output layer (and its bias, GPT-J's)
     head = ["output_layer.weight", "output_layer.bias"] if fresh_head else []
