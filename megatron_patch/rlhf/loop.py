@@ -8,8 +8,10 @@ update), the loop is the rest:
                 (`megatron_patch.rlhf.rollout`); the log-probabilities of the sampled tokens under the policy
                 that sampled them and under the reference (`megatron_patch.rlhf.logprobs`); the completions'
                 rewards (a rule, `--reward module:function`, or the algorithm's reward model); the algorithm's
-                update, whose metrics make the step's JSON line on stderr (with `rollout_s`, the seconds
-                the rollouts took; the summary sums them as `rollout_seconds`; timings stay out of the history)
+                update, whose metrics make the step's JSON line on stderr (with where the step's seconds went,
+                `_PhaseClock`: `rollout_s` the rollouts, `score_s` the log-probabilities and rewards, `update_s`
+                the algorithm's `train_step`, PPO's critic values and advantages included; the summary sums
+                them as `rollout_seconds`, `score_seconds`, `update_seconds`; timings stay out of the history)
     checkpoints `--save` / `--load` (`megatron_patch.rlhf.checkpoint`): the policy, its optimizer, the RNG and
                 the history, plus the algorithm's state; a resumed run equals the uninterrupted one
     export      `--out`: the policy as an HF folder (the converter's writer, from the live model:
@@ -180,6 +182,38 @@ def add_loop_args(parser, prompts_per_step: int, out_help: str, seed_help: str, 
     add_checkpoint_args(parser)
 
 
+PHASES = ("rollout", "score", "update")  # a step's phases, in order
+
+
+class _PhaseClock:
+    """Where a step's seconds went: `start()` at the step's beginning, then `lap(name)` at the end of each phase
+    records the seconds since the previous lap (or the start) under `name`, in this step's `laps` and in the
+    run's `totals`. Before reading the clock it waits for the GPU (when CUDA is initialised), so the GPU work a
+    phase queued counts to that phase."""
+
+    def __init__(self):
+        self.laps: dict[str, float] = {}  # this step's
+        self.totals: dict[str, float] = dict.fromkeys(PHASES, 0.0)  # this process's steps
+        self._last = 0.0
+
+    @staticmethod
+    def _now() -> float:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def start(self) -> None:
+        self.laps = {}
+        self._last = self._now()
+
+    def lap(self, name: str) -> float:
+        now = self._now()
+        seconds, self._last = now - self._last, now
+        self.laps[name] = self.laps.get(name, 0.0) + seconds
+        self.totals[name] = self.totals.get(name, 0.0) + seconds
+        return seconds
+
+
 # --- the algorithm interface ------------------------------------------------------------------------------------
 
 
@@ -309,7 +343,7 @@ class OnlineRL:
         self.device = next(self.policy.parameters()).device
         self.vocab = vocab_size(self.cfg)
         self.history: list[dict] = []
-        self.rollout_seconds: list[float] = []  # this process's steps (timings stay out of the history)
+        self.clock = _PhaseClock()  # this process's steps (timings stay out of the history)
         self.algorithm.setup()
 
     def check_fits(self, context: int | None, model: str = "") -> None:
@@ -338,14 +372,16 @@ class OnlineRL:
         # sampled from the whole distribution (top-k off) or its nucleus (--top-p), the end token ending a sample
         sampling = Sampling(a.max_new_tokens, a.temperature, top_k=0, top_p=a.top_p, seed=a.seed + step,
                             stop_id=self.tokenizer.eod)
-        began = time.perf_counter()
+        self.clock.start()
         r = rollout(self.policy, self.tokenizer, [self.prompt_ids[i] for i in rows], sampling, self.device, a.engine)
-        self.rollout_seconds.append(time.perf_counter() - began)
+        self.clock.lap("rollout")
         old = token_logps(self.policy, r.tokens, r.labels, self.vocab)
         ref = token_logps(self.reference, r.tokens, r.labels, self.vocab)
         scores = self.algorithm.scores(rows, r).to(self.device)
+        self.clock.lap("score")
         self.policy.train()
         row = {"step": step + 1, **self.algorithm.train_step(Batch(step, rows, r, old, ref, scores))}
+        self.clock.lap("update")
         self.history.append(row)
         return row, r
 
@@ -384,7 +420,7 @@ class OnlineRL:
         for step in range(first, a.steps):
             row, _ = self.step(step)
             if is_first_rank():
-                line = {**row, "rollout_s": self.rollout_seconds[-1]}
+                line = {**row, **{f"{phase}_s": self.clock.laps[phase] for phase in PHASES}}
                 print(json.dumps({k: round(v, 5) if isinstance(v, float) else v for k, v in line.items()}),
                       file=sys.stderr, flush=True)
             if a.save and ((step + 1) % a.save_interval == 0 or step + 1 == a.steps):
@@ -395,7 +431,7 @@ class OnlineRL:
         history = self.history
         return {"steps": len(history), "resumed_at": first, **reward_summary(history),
                 **self.algorithm.summary(history), "seconds": round(time.time() - start, 1),
-                "rollout_seconds": round(sum(self.rollout_seconds), 2), "out": a.out,
+                **{f"{phase}_seconds": round(self.clock.totals[phase], 2) for phase in PHASES}, "out": a.out,
                 "history": history}
 
 

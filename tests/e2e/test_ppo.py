@@ -223,6 +223,37 @@ def test_resume_equals_an_uninterrupted_run(cpu_megatron, start, tmp_path, capsy
         assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
 
 
+TIMING_LINE = ("rollout_s", "score_s", "update_s")
+TIMING_SUMMARY = ("rollout_seconds", "score_seconds", "update_seconds")
+
+
+def test_each_step_says_where_its_seconds_went(cpu_megatron, start, tmp_path, capsys):
+    """Each step line splits the step into its rollouts, its scoring (log-probabilities, rewards) and its update;
+    the summary sums each over the steps; the history (in the checkpoint and the summary) holds no timing, so a
+    resumed run still equals an uninterrupted one."""
+    from megatron_patch.rlhf.ppo import main
+
+    ckpt = tmp_path / "ckpt"
+    assert main(_argv(start, "--prompts-per-step", "2", "--steps", "2", "--save", str(ckpt))) == 0
+    out = capsys.readouterr()
+    summary = json.loads(out.out.strip().splitlines()[-1])
+    lines = [json.loads(line) for line in out.err.splitlines() if line.startswith('{"step"')]
+    assert [line["step"] for line in lines] == [1, 2], out.err
+    for line in lines:
+        assert all(isinstance(line[k], float) and line[k] >= 0 for k in TIMING_LINE), line
+        if "seconds" in line:  # the step's wall time, if the line reports one
+            assert sum(line[k] for k in TIMING_LINE) <= line["seconds"] + 0.005 + 1e-5, line
+    for lap, total in zip(TIMING_LINE, TIMING_SUMMARY, strict=True):
+        assert summary[total] >= 0
+        # the summary rounds to 0.01, the step lines to 1e-5
+        assert abs(summary[total] - sum(line[lap] for line in lines)) <= 0.005 + 1e-5, (total, summary, lines)
+    saved = json.loads((ckpt / "step_000002" / "state.json").read_text())["history"]
+    for history in (summary["history"], saved):
+        assert len(history) == 2
+        assert not [k for row in history for k in row if k in TIMING_LINE + TIMING_SUMMARY or k.endswith("_s")], \
+            history
+
+
 def test_rerun_into_a_saved_run_resumes_with_load_or_starts_again_with_overwrite(cpu_megatron, start, tmp_path,
                                                                                  capsys):
     """The same command run again after an interruption finds --save holding checkpoints: without --load naming

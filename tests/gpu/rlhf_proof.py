@@ -7,8 +7,9 @@ tests/e2e/test_rlhf.py, Transformer Engine implementation:
 - GRPO (own loop, fp32 policy, rollouts with megatron.core.inference): mean reward first vs last steps;
 - PPO with a critic (issue 29), beside GRPO: the same start, prompts, rule reward, steps and samples per step
   (96); a fixed KL coefficient `PPO_KL_COEF`; mean reward, the largest per-completion KL, the critic's value
-  loss (first vs last 5 steps); for both, seconds per step split into the rollouts and the rest (log-probs,
-  scoring, update, and the final HF export spread over the steps).
+  loss (first vs last 5 steps); for both, seconds per step split into the loop's phases (the step lines'
+  `rollout_s`, `score_s`: log-probs and rewards, `update_s`: the algorithm's update) and the rest of the
+  run's time besides the rollouts (scoring, update, and the final HF export spread over the steps).
 
 Run: python tests/gpu/rlhf_proof.py OUT_DIR   (tests/gpu/test_rlhf_proof.py does); prints a JSON report."""
 
@@ -76,12 +77,15 @@ def online_rl(out: str, algorithm: str, *extra: str) -> tuple[dict, list[dict]]:
     with open(os.path.join(out, f"{algorithm}.log"), "w") as f:
         f.write(p.stderr + p.stdout)
     summary = json.loads(p.stdout.strip().splitlines()[-1]) if p.returncode == 0 else {}
-    row = {"rc": p.returncode, **{k: summary[k] for k in ("reward_first", "reward_last", "seconds", "rollout_seconds",
-                                                          "kl_max") if k in summary},
+    phases = ("rollout", "score", "update")
+    row = {"rc": p.returncode, **{k: summary[k] for k in ("reward_first", "reward_last", "seconds",
+                                                          *(f"{phase}_seconds" for phase in phases), "kl_max")
+                                  if k in summary},
            "tail": p.stderr[-1500:] if p.returncode else ""}
     history = summary.get("history", [])
     if history:
-        row["rollout_s_per_step"] = round(summary["rollout_seconds"] / len(history), 3)
+        for phase in phases:
+            row[f"{phase}_s_per_step"] = round(summary[f"{phase}_seconds"] / len(history), 3)
         row["rest_s_per_step"] = round((summary["seconds"] - summary["rollout_seconds"]) / len(history), 3)
     return row, history
 
