@@ -10,6 +10,7 @@
 #   bash tests/gpu/run_suite.sh quick    # every GPU test but the two proofs (~5 min; NCCL / MoE tests need 2 GPUs)
 #   bash tests/gpu/run_suite.sh rest     # quick without the smoke tests: after `smoke`, the rest of quick
 #   bash tests/gpu/run_suite.sh proofs   # the training proof and the RLHF proof              (~8 min)
+#   bash tests/gpu/run_suite.sh widths   # LoRA vs full SFT and PEFT at 8B widths, lm-eval at 1B widths (~6 min)
 #   bash tests/gpu/run_suite.sh all      # both, where the call's time limit allows
 #   bash tests/gpu/run_suite.sh proofs -k rlhf   # arguments after the part go to pytest (one proof per call)
 #
@@ -27,11 +28,12 @@ export TORCHDYNAMO_DISABLE=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 case "$part" in
   smoke) sel=(tests/gpu -m smoke) ;;
-  quick) sel=(tests/gpu -k "not train_proof and not rlhf_proof") ;;
-  rest) sel=(tests/gpu -m "not smoke" -k "not train_proof and not rlhf_proof") ;;
+  quick) sel=(tests/gpu -m "not widths" -k "not train_proof and not rlhf_proof") ;;
+  rest) sel=(tests/gpu -m "not smoke and not widths" -k "not train_proof and not rlhf_proof") ;;
+  widths) sel=(tests/gpu -m widths) ;;
   proofs) sel=(tests/gpu/test_train_proof.py tests/gpu/test_rlhf_proof.py) ;;
   all) sel=(tests/gpu) ;;
-  *) echo "error: unknown part '$part' (smoke, quick, rest, proofs or all)" >&2; exit 2 ;;
+  *) echo "error: unknown part '$part' (smoke, quick, rest, proofs, widths or all)" >&2; exit 2 ;;
 esac
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 GPU_REPORT=$OUT/gpu_$part.jsonl python3 -m pytest -q -p no:warnings -p no:cacheprovider -rf --durations=8 "${sel[@]}" "${@:2}" 2>&1 | tee "$OUT/gpu_$part.log" | tail -40
