@@ -326,8 +326,9 @@ def main(argv: list[str] | None = None) -> int:
         cmd = train_command(a.out, a.run, a.tokens, a.gpus, corpus["tokenizer"], vocab, a.save_every,
                             a.until_tokens)
         log_path = os.path.join(a.out, "runs", f"{a.run}.log")
-        env = {**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1", "PYTHONPATH": ROOT + ":" + os.environ.get(
-            "PYTHONPATH", "")}
+        from train_bench import run_env  # beside this script
+
+        env = run_env()
         with open(log_path, "a") as log:
             rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT).returncode
         report = write_run(a.out, a.run, open(log_path).read())

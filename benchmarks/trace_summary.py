@@ -3,8 +3,10 @@
 
     python benchmarks/trace_summary.py TRACE.json[.gz] | FOLDER
 
-GPU kernels are grouped by name (GEMM, attention, FP8 casts, norms, communication, optimizer, other) and
-reported as milliseconds and shares of the traced window; `idle` is the part of the window in which no
+GPU kernels are grouped by name (GEMM, attention, FP8 casts, norms, communication, optimizer, PyTorch's
+elementwise kernels (unfused activations, adds, copies, concatenations), other) and
+reported as milliseconds and shares of the traced window, with each group's five costliest kernels (name cut
+at 120 characters, ms, launches) to say what a group is made of; `idle` is the part of the window in which no
 kernel ran (the GPU waiting for the host: launch gaps, synchronisation). One JSON object on stdout."""
 
 from __future__ import annotations
@@ -15,14 +17,16 @@ import os
 import re
 import sys
 
-# first match wins: communication and attention kernels are named before anything they share words with
+# first match wins: communication and attention kernels are named before anything they share words with;
+# PyTorch names its elementwise kernels `gpu_kernel_impl_nocast`: "nocast" is not a cast
 CATEGORIES = (
     ("communication", r"nccl|all_?reduce|all_?gather|reduce_?scatter"),
     ("attention", r"flash|fmha|fused_attn|attn|sdpa|softmax"),
     ("gemm", r"gemm|cutlass|xmma|nvjet|cublas|wgmma|matmul"),
-    ("fp8 cast", r"cast|quantiz|amax|fp8|transpose"),
-    ("norm", r"norm"),
     ("optimizer", r"adam|multi_tensor|optimizer"),
+    ("fp8 cast", r"(?<!no)cast|quantiz|amax|fp8|transpose"),
+    ("norm", r"norm"),
+    ("elementwise", r"elementwise|CatArray|at::native"),
 )
 
 
@@ -42,16 +46,22 @@ def category(name: str) -> str:
 
 
 def summarise(kernels: list[dict]) -> dict:
-    """{"window_ms", "categories": {name: {"ms", "share"}}, "idle_ms", "idle_share"} of kernel events."""
+    """{"window_ms", "categories": {name: {"ms", "share", "top"}}, "idle_ms", "idle_share"} of kernel events;
+    "top": the category's five costliest kernel names as [name, ms, launches]."""
     if not kernels:
         raise ValueError("no GPU kernel events in the trace")
     start = min(k["ts"] for k in kernels)
     end = max(k["ts"] + k["dur"] for k in kernels)
     window = end - start
     totals: dict[str, float] = {}
+    by_name: dict[str, dict[str, list[float]]] = {}
     for k in kernels:
-        label = category(k.get("name", ""))
+        name = k.get("name", "")
+        label = category(name)
         totals[label] = totals.get(label, 0.0) + k["dur"]
+        entry = by_name.setdefault(label, {}).setdefault(name[:120], [0.0, 0])
+        entry[0] += k["dur"]
+        entry[1] += 1
     busy, reach = 0.0, start  # union of the kernel intervals (streams overlap)
     for k in sorted(kernels, key=lambda k: k["ts"]):
         begin, finish = max(k["ts"], reach), k["ts"] + k["dur"]
@@ -59,7 +69,9 @@ def summarise(kernels: list[dict]) -> dict:
             busy += finish - begin
             reach = finish
     return {"window_ms": round(window / 1e3, 3),
-            "categories": {label: {"ms": round(us / 1e3, 3), "share": round(us / window, 4)}
+            "categories": {label: {"ms": round(us / 1e3, 3), "share": round(us / window, 4),
+                                   "top": [[n, round(d / 1e3, 3), c] for n, (d, c) in
+                                           sorted(by_name[label].items(), key=lambda kv: -kv[1][0])[:5]]}
                            for label, us in sorted(totals.items(), key=lambda kv: -kv[1])},
             "idle_ms": round((window - busy) / 1e3, 3), "idle_share": round((window - busy) / window, 4)}
 

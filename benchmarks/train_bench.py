@@ -199,8 +199,16 @@ def pretrain_command(gpus: int, model: list[str], seq: int, mbs: int, global_bat
     if trace_dir:  # megatron-core 0.19 writes the trace beside the TensorBoard folder (../torch_profile), 0.18 in it
         cmd += ["--profile", "--use-pytorch-profiler", "--profile-step-start", "6", "--profile-step-end", "8",
                 "--tensorboard-dir", os.path.join(trace_dir, "tensorboard")]
-    return cmd, {**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1",
-                 "PYTHONPATH": ROOT + ":" + os.environ.get("PYTHONPATH", ""), **(env or {})}
+    return cmd, run_env(env, cpu)
+
+
+def run_env(extra: dict[str, str] | None = None, cpu: bool = False) -> dict[str, str]:
+    """The environment of a measured training process: this one's, with the project on the path, one CUDA
+    connection (Megatron's overlap wants it) and, on a GPU, without TORCHDYNAMO_DISABLE (`torchdynamo_on`:
+    megatron-core's fused kernels are compiled)."""
+    base = {k: v for k, v in os.environ.items() if cpu or k != "TORCHDYNAMO_DISABLE"}
+    return {**base, "CUDA_DEVICE_MAX_CONNECTIONS": "1", "PYTHONPATH": ROOT + ":" + os.environ.get("PYTHONPATH", ""),
+            **(extra or {})}
 
 
 def random_hf(cfg: dict, folder: str) -> str:
@@ -360,7 +368,20 @@ def _loss_cell(row: dict) -> str:
     return f"{row['max_loss_diff']} (vs {row['loss_reference']})" if "max_loss_diff" in row else ""
 
 
+def torchdynamo_on(argv: list[str]) -> None:
+    """Restart this script without TORCHDYNAMO_DISABLE where it is set (the GPU suite's environment sets it):
+    megatron-core fuses SwiGLU, bias-dropout-add and more through `torch.compile` (its `jit_fuser`), which the
+    variable turns into unfused torch ops (~12% of an 8B bf16 step, measured 2026-12-02), and the HF / torchtitan
+    compile rows would not compile. A user's run has dynamo on: so do the measured rows."""
+    if os.environ.pop("TORCHDYNAMO_DISABLE", None) is None:
+        return
+    print("note: TORCHDYNAMO_DISABLE unset for the benchmark (megatron-core's fused kernels need torch.compile)",
+          file=sys.stderr, flush=True)
+    os.execv(sys.executable, [sys.executable, os.path.abspath(__file__), *argv])
+
+
 def main() -> None:
+    torchdynamo_on(sys.argv[1:])
     import titan_peer  # beside this script: the torchtitan rows
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

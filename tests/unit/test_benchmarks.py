@@ -68,6 +68,41 @@ def test_trace_summary_groups_kernels_and_finds_idle_time(tmp_path):
     assert out["window_ms"] == 0.5 and out["idle_ms"] == 0.15 and out["idle_share"] == 0.3
     assert {k: v["ms"] for k, v in out["categories"].items()} == {
         "gemm": 0.15, "communication": 0.1, "optimizer": 0.1, "attention": 0.05}
+    assert out["categories"]["gemm"]["top"] == [["sm90_xmma_gemm_bf16", 0.15, 1]]
+
+
+def test_trace_summary_tells_torch_elementwise_kernels_from_casts():
+    """PyTorch's elementwise kernels are named `...gpu_kernel_impl_nocast<...>`: not FP8 casts (the 2026-12-02
+    8B trace put unfused SwiGLU under "fp8 cast" that way, in bf16 too)."""
+    from trace_summary import category
+
+    nocast = "void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl_nocast<at::native::silu_kernel>"
+    assert category(nocast) == "elementwise"
+    assert category("void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add<bf16>>") == \
+        "elementwise"
+    assert category("void at::native::(anonymous namespace)::CatArrayBatchedCopy_vectorized<OpaqueType<2u>>") == \
+        "elementwise"
+    assert category("void transformer_engine::cast_transpose_kernel<true, float, __nv_fp8_e4m3>") == "fp8 cast"
+    assert category("void multi_tensor_apply_kernel<TensorListMetadata<4>, transformer_engine::multi_tensor_adam>") \
+        == "optimizer"
+
+
+def test_train_bench_runs_with_torchdynamo_on(monkeypatch):
+    """megatron-core fuses SwiGLU, bias-dropout-add, ... through `torch.compile` (its jit_fuser): with
+    TORCHDYNAMO_DISABLE=1 they run as unfused torch ops (~12% of an 8B bf16 step, 2026-12-02), and the HF /
+    torchtitan compile rows do not compile. train_bench measures what a user runs: it restarts itself
+    without the variable."""
+    import train_bench
+
+    calls = []
+    monkeypatch.setattr(train_bench.os, "execv", lambda exe, argv: calls.append((exe, argv)))
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
+    train_bench.torchdynamo_on(["--shapes", "8b"])
+    assert calls == [(train_bench.sys.executable, [train_bench.sys.executable, train_bench.__file__, "--shapes", "8b"])]
+    assert "TORCHDYNAMO_DISABLE" not in train_bench.os.environ
+    calls.clear()
+    train_bench.torchdynamo_on(["--shapes", "8b"])  # not set: nothing to do
+    assert calls == []
 
 
 # parameters of torchtitan 0.2.2's Llama-3 `Transformer` built from `titan_peer.model_args` (meta device, torch
