@@ -206,7 +206,7 @@ def run_env(extra: dict[str, str] | None = None, cpu: bool = False) -> dict[str,
     """The environment of a measured training process: this one's, with the project on the path, one CUDA
     connection (Megatron's overlap wants it) and, on a GPU, without TORCHDYNAMO_DISABLE (`torchdynamo_on`:
     megatron-core's fused kernels are compiled)."""
-    base = {k: v for k, v in os.environ.items() if cpu or k != "TORCHDYNAMO_DISABLE"}
+    base = {k: v for k, v in os.environ.items() if cpu or (k, v) != ("TORCHDYNAMO_DISABLE", "1")}
     return {**base, "CUDA_DEVICE_MAX_CONNECTIONS": "1", "PYTHONPATH": ROOT + ":" + os.environ.get("PYTHONPATH", ""),
             **(extra or {})}
 
@@ -373,8 +373,9 @@ def torchdynamo_on(argv: list[str]) -> None:
     megatron-core fuses SwiGLU, bias-dropout-add and more through `torch.compile` (its `jit_fuser`), which the
     variable turns into unfused torch ops (~12% of an 8B bf16 step, measured 2026-12-02), and the HF / torchtitan
     compile rows would not compile. A user's run has dynamo on: so do the measured rows."""
-    if os.environ.pop("TORCHDYNAMO_DISABLE", None) is None:
+    if os.environ.get("TORCHDYNAMO_DISABLE") != "1":  # torch reads only "1" as off
         return
+    del os.environ["TORCHDYNAMO_DISABLE"]
     print("note: TORCHDYNAMO_DISABLE unset for the benchmark (megatron-core's fused kernels need torch.compile)",
           file=sys.stderr, flush=True)
     os.execv(sys.executable, [sys.executable, os.path.abspath(__file__), *argv])

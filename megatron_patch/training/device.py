@@ -5,6 +5,8 @@ checked before any GPU work starts. Each refusal is a ValueError naming the flag
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 
@@ -16,6 +18,10 @@ _CPU_VALUES = dict(transformer_impl="local", use_cpu_initialization=True, distri
                    gradient_accumulation_fusion=False, masked_softmax_fusion=False, no_persist_layer_norm=True,
                    apply_rope_fusion=False, bias_swiglu_fusion=False, bias_gelu_fusion=False)
 
+# megatron-core fuses SwiGLU, bias-dropout-add, ... through torch.compile (its jit_fuser); under this variable they
+# run as unfused torch ops: 11-15% of an 8B bf16 step on an H200 (docs/benchmarks.md, 2026-12-02)
+DYNAMO_OFF_WARNING = ("warning: TORCHDYNAMO_DISABLE=1 turns off torch.compile, so megatron-core's fused SwiGLU and "
+                      "bias-dropout-add run as unfused ops (about 12% slower at 8B); unset it to train at full speed")
 
 
 def select_device(args: argparse.Namespace, given: set[str]) -> None:
@@ -34,6 +40,9 @@ def select_device(args: argparse.Namespace, given: set[str]) -> None:
                              f"{compat.megatron_core_version()}")
     elif not torch.cuda.is_available() and not patches.is_active("cpu_training"):
         raise ValueError("no CUDA GPU found; pass --cpu to run a tiny model on the CPU")
+    elif torch.cuda.is_available() and os.environ.get("TORCHDYNAMO_DISABLE") == "1":
+        if os.environ.get("RANK", "0") == "0":
+            print(DYNAMO_OFF_WARNING, file=sys.stderr, flush=True)
     if not patches.is_active("cpu_training"):
         return
     refused = [

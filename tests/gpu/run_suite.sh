@@ -24,7 +24,10 @@ part=${1:-quick}
 [[ -f /tmp/site/.ok ]] || { echo "error: megatron-core / Transformer Engine are not staged in /tmp/site (see ../shared/device/README.md)" >&2; exit 1; }
 # (FA4's CuTe DSL keeps its packages in a folder a .pth file would add: named here)
 export PYTHONPATH=/tmp/site:$(ls -d /tmp/site/nvidia_cutlass_dsl/*_packages 2>/dev/null | tr '\n' ':')$PWD
-export TORCHDYNAMO_DISABLE=1 NCCL_NVLS_ENABLE=0
+# torch.compile on, as in a user's run: megatron-core fuses SwiGLU, bias-dropout-add, ... through it (jit_fuser);
+# TORCHDYNAMO_DISABLE=1 (the CPU suite's default, tests/conftest.py) would test unfused torch ops instead.
+# `TORCHDYNAMO_DISABLE=1 bash tests/gpu/run_suite.sh smoke` runs the suite as before 2026-12-03.
+export TORCHDYNAMO_DISABLE=${TORCHDYNAMO_DISABLE:-0} NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 case "$part" in
   smoke) sel=(tests/gpu -m smoke) ;;

@@ -102,7 +102,9 @@ def test_train_bench_runs_with_torchdynamo_on(monkeypatch):
     assert "TORCHDYNAMO_DISABLE" not in train_bench.os.environ
     calls.clear()
     train_bench.torchdynamo_on(["--shapes", "8b"])  # not set: nothing to do
-    assert calls == []
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "0")  # the GPU suite's value: torch reads only "1" as off
+    train_bench.torchdynamo_on(["--shapes", "8b"])
+    assert calls == [] and train_bench.run_env()["TORCHDYNAMO_DISABLE"] == "0"
 
 
 # parameters of torchtitan 0.2.2's Llama-3 `Transformer` built from `titan_peer.model_args` (meta device, torch
