@@ -453,3 +453,97 @@ def _fa4_no_split_kv_on_sm90() -> Callable[[], None] | None:
         return original(*args, **kwargs)
 
     return _swap([(attention, "flash_attn4_varlen_func", one_split)])
+
+
+def _te_fp8_on() -> bool:
+    """Whether a Transformer Engine FP8 (or other quantized) autocast is active."""
+    for where in ("transformer_engine.pytorch.quantization", "transformer_engine.pytorch.fp8"):
+        try:
+            return bool(importlib.import_module(where).FP8GlobalStateManager.is_fp8_enabled())
+        except (ImportError, AttributeError):
+            continue
+    return False
+
+
+def _gemv_serves(x: torch.Tensor, weight, tp_size: int) -> bool:
+    """Whether a linear layer's call is a decode-sized inference call `inference.gemv` serves: no autograd, at
+    most `gemv.MAX_ROWS` tokens, bf16 / fp16 on a GPU, a plain (not quantized) weight of x's dtype, one
+    tensor-parallel rank, no FP8 autocast."""
+    from megatron_patch.inference import gemv
+
+    return (not torch.is_grad_enabled() and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+            and type(weight) in (torch.Tensor, torch.nn.Parameter) and weight.dtype == x.dtype
+            and weight.dim() == 2 and weight.stride(-1) == 1 and x.shape[-1] == weight.shape[1]
+            and 0 < x.numel() // weight.shape[1] <= gemv.MAX_ROWS and tp_size == 1 and not _te_fp8_on())
+
+
+@register("decode_gemv", ">=0.18.2,<0.20")
+def _decode_gemv() -> Callable[[], None] | None:
+    """Batch-1 decode's linear layers as one Triton GEMV kernel each (`megatron_patch.inference.gemv`), with
+    the layer's RMSNorm / LayerNorm folded in, instead of cuBLAS's GEMM kernels (64-86% of HBM bandwidth for one
+    token, half of them split-K plus a reduce kernel) and TE's separate norm kernel (docs/benchmarks.md, issue 27).
+
+    Wraps the `forward` of megatron-core's `TELinear` (`TEColumnParallelLinear`, `TERowParallelLinear`),
+    `TELayerNormColumnParallelLinear` (`megatron/core/extensions/transformer_engine.py`, 0.18.2 to 0.19.x) and
+    `tensor_parallel.ColumnParallelLinear` (the output layer): a call with at most `gemv.MAX_ROWS` tokens under
+    no autograd, bf16 / fp16, a plain weight, TP = 1, no FP8 autocast and (for the norm) no
+    `return_layernorm_output` takes the kernel; any other call runs the original forward. The return values
+    are the originals' (`(output, bias)`, the bias returned instead of added where the layer skips the bias
+    add). Needs a GPU and Triton; applied by the dynamic engine (`inference.dynamic.DECODE_GEMV`)."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return None
+    from megatron.core.tensor_parallel import layers
+
+    from megatron_patch.inference.gemv import NORMS, Norm, gemv
+
+    targets = []
+    column = layers.ColumnParallelLinear.forward
+
+    @functools.wraps(column)
+    def column_forward(self, input_, weight=None, runtime_gather_output=None):
+        w = self.weight if weight is None else weight
+        if w is None or not _gemv_serves(input_, w, layers.get_pg_size(self.tp_group)):
+            return column(self, input_, weight, runtime_gather_output)
+        if self.skip_bias_add:
+            return gemv(input_, w), self.bias
+        return gemv(input_, w, self.bias), None
+
+    targets.append((layers.ColumnParallelLinear, "forward", column_forward))
+    try:
+        from megatron.core.extensions import transformer_engine as te_ext
+    except ImportError:
+        te_ext = None
+    if te_ext is not None and hasattr(te_ext, "TELinear"):
+        linear = te_ext.TELinear.forward
+        ln_linear = te_ext.TELayerNormColumnParallelLinear.forward
+
+        def bias_of(self):
+            return self.bias if getattr(self, "use_bias", False) else None
+
+        @functools.wraps(linear)
+        def linear_forward(self, x):
+            if not _gemv_serves(x, self.weight, getattr(self, "tp_size", 1)):
+                return linear(self, x)
+            if self.te_return_bias:
+                return gemv(x, self.weight), bias_of(self)
+            return gemv(x, self.weight, bias_of(self)), None
+
+        @functools.wraps(ln_linear)
+        def ln_linear_forward(self, x):
+            if (not _gemv_serves(x, self.weight, getattr(self, "tp_size", 1))
+                    or getattr(self, "normalization", None) not in NORMS or self.return_layernorm_output):
+                return ln_linear(self, x)
+            norm = Norm(self.normalization, self.layer_norm_weight,
+                        getattr(self, "layer_norm_bias", None) if self.normalization == "LayerNorm" else None,
+                        self.eps, bool(getattr(self, "zero_centered_gamma", False)))
+            if self.te_return_bias:
+                return gemv(x, self.weight, None, norm), bias_of(self)
+            return gemv(x, self.weight, bias_of(self), norm), None
+
+        targets += [(te_ext.TELinear, "forward", linear_forward),
+                    (te_ext.TELayerNormColumnParallelLinear, "forward", ln_linear_forward)]
+    return _swap(targets)

@@ -36,6 +36,10 @@ KV_SHARE_OF_FREE_MEMORY = 0.5
 # per decode step, identical tokens. None: on where there is a GPU and megatron-core has it (on a CPU its async
 # path creates CUDA streams, which a plain CPU process cannot); True / False: on / off wherever megatron-core has it.
 ASYNC_SCHEDULING: bool | None = None
+# Batch-1 decode's linear layers as one Triton GEMV kernel each, norms folded in (the `decode_gemv` patch,
+# `inference/gemv.py`), instead of cuBLAS's GEMM kernels and TE's norm kernel. Steps of at most `gemv.MAX_ROWS`
+# tokens only, bf16 / fp16, TP = 1, no FP8. None: on where there is a GPU; True / False: on / off (off on a CPU).
+DECODE_GEMV: bool | None = None
 
 
 def default_max_requests() -> int:
@@ -57,14 +61,15 @@ class EnginePlan:
     cuda_graphs: bool  # capture CUDA graphs (`cuda_graph_impl="local"`, block scope)
     non_decode_graphs: bool  # also for prefill / mixed steps (not with the torch paged attention)
     async_scheduling: bool = False  # megatron-core's async_sched_mode="async" (ASYNC_SCHEDULING)
+    decode_gemv: bool = False  # the decode_gemv patch (DECODE_GEMV): the CUDA graphs hold its kernels
 
     def covers(self, other: EnginePlan) -> bool:
         """An engine built for this plan serves `other` as well: the same graphs, at least as much room, and
         the same in-flight maximum where it binds (more slots than a call has requests change nothing)."""
         slots = (self.max_requests == other.max_requests
                  or (not other.bounded and self.max_requests >= other.max_requests))
-        return (slots and (self.cuda_graphs, self.non_decode_graphs, self.async_scheduling)
-                == (other.cuda_graphs, other.non_decode_graphs, other.async_scheduling)
+        return (slots and (self.cuda_graphs, self.non_decode_graphs, self.async_scheduling, self.decode_gemv)
+                == (other.cuda_graphs, other.non_decode_graphs, other.async_scheduling, other.decode_gemv)
                 and self.max_sequence_length >= other.max_sequence_length and self.max_tokens >= other.max_tokens
                 and self.kv_cache_gb >= other.kv_cache_gb)
 
@@ -130,7 +135,7 @@ def plan_engine(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, ma
                       max_tokens=max(DynamicInferenceContext.DEFAULT_MAX_TOKENS, longest, n),
                       kv_cache_gb=budget / 1024 ** 3, cuda_graphs=cuda_graphs,
                       non_decode_graphs=not patches.attends_in_torch(model.config.params_dtype),
-                      async_scheduling=async_scheduling())
+                      async_scheduling=async_scheduling(), decode_gemv=decode_gemv())
 
 
 def async_scheduling() -> bool:
@@ -139,6 +144,13 @@ def async_scheduling() -> bool:
 
     wanted = torch.cuda.is_available() if ASYNC_SCHEDULING is None else ASYNC_SCHEDULING
     return bool(wanted) and compat.async_scheduling_available()
+
+
+def decode_gemv() -> bool:
+    """Whether engines built now run batch-1 decode's linear layers on the GEMV kernel (`DECODE_GEMV`)."""
+    import torch
+
+    return bool(torch.cuda.is_available() if DECODE_GEMV is None else DECODE_GEMV) and torch.cuda.is_available()
 
 
 def unsupported_attention(model) -> str | None:
@@ -175,8 +187,9 @@ def generate_dynamic(model, tokenizer, prompts: list[list[int]], sampling: Sampl
           patches.applied("fa4_no_split_kv_on_sm90"), _inference_mode()):
         _require_einops()
         plan = plan_engine(model, prompts, sampling.max_new_tokens, max_requests, kv_cache_gb, cuda_graphs)
-        engine = _Engines.get(model, tokenizer, plan)
-        return _run(engine, tokenizer, prompts, sampling, on_tokens)
+        with patches.applied("decode_gemv") if plan.decode_gemv else contextlib.nullcontext():
+            engine = _Engines.get(model, tokenizer, plan)
+            return _run(engine, tokenizer, prompts, sampling, on_tokens)
 
 
 @contextlib.contextmanager
