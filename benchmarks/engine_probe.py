@@ -2,7 +2,7 @@
 speed with CUDA graphs on and off, and (--profile) where a decode step's time goes.
 
     python benchmarks/engine_probe.py [--shape 1b] [--requests 1 32] [--graphs on off] [--sched legacy async] \\
-        [--gemv on off] [--new 64] [--profile DIR [--profile-requests 1 32] [--profile-steps 6]]
+        [--gemv on attn off] [--new 64] [--profile DIR [--profile-requests 1 32] [--profile-steps 6]]
     python benchmarks/engine_probe.py --shape tiny --device cpu --impl local --dtype fp32 --graphs off \\
         --requests 1 2 --new 4 --min-prompt 4 --max-prompt 12 --repeat 1          # the logic, on a CPU
 
@@ -16,8 +16,10 @@ read per decode step / --bandwidth-tb-s; `tokens_vs_graphs_on|off`: agreement of
 row of the same requests and the other graphs setting. --sched: megatron-core's scheduling of engine steps,
 `legacy` (resolve step k, then prepare step k+1) or `async` (0.19 on: prepare and launch step k+1 before resolving
 step k, so the host's bookkeeping overlaps the GPU; `dynamic.ASYNC_SCHEDULING`), one set of rows each, with
-`tokens_vs_legacy`. --gemv on / off: batch-1 decode's linear layers on our Triton GEMV kernel or on cuBLAS
-(`dynamic.DECODE_GEMV`, the `decode_gemv` patch; a GPU only), one set of rows each, with `tokens_vs_gemv_off`.
+`tokens_vs_legacy`. --gemv on / attn / off: our decode kernels (a GPU only): batch-1 decode's linear layers on
+the Triton GEMV kernel instead of cuBLAS (`dynamic.DECODE_GEMV`) and decode attention on the split-KV kernels
+instead of FA4 (`dynamic.DECODE_ATTENTION`): both, the attention only, or neither; one set of rows each, with
+`tokens_vs_kernels_off`.
 A configuration that fails gives a row with `error` (the traceback on stderr) and the next
 one runs. A new engine is built for every row (`release_engine` between rows).
 
@@ -101,16 +103,18 @@ def set_sched(sched: str) -> None:
 
 def measure(a, model, prompts, graphs: bool, timer: Timer, bound_ms: float, seen: dict, sched: str = "legacy",
             gemv: str = "on") -> dict:
-    """One row; `seen` keeps each (requests, graphs, sched, gemv)'s tokens, compared with the other graphs
-    setting's, with legacy scheduling's and with the GEMV kernel off."""
+    """One row; `seen` keeps each (requests, graphs, sched, kernels)'s tokens, compared with the other graphs
+    setting's, with legacy scheduling's and with our decode kernels off (`gemv`: on, off or attn: only the
+    split-KV attention; on: both)."""
     from megatron_patch.inference import dynamic
     from megatron_patch.inference.dynamic import release_engine
 
     row = {"shape": a.shape, "requests": len(prompts), "cuda_graphs": graphs, "sched": sched, "new": a.new}
     try:
         set_sched(sched)
-        dynamic.DECODE_GEMV = gemv == "on"
-        row["gemv"] = dynamic.decode_gemv()
+        dynamic.DECODE_GEMV, dynamic.DECODE_ATTENTION = gemv == "on", gemv in ("on", "attn")
+        row["gemv"], row["split_kv_attention"] = dynamic.wanted(dynamic.DECODE_GEMV), dynamic.wanted(
+            dynamic.DECODE_ATTENTION)
         timer.sync()
         t = time.perf_counter()
         out = call(model, prompts, a.new, graphs)  # builds the engine (and captures its graphs)
@@ -121,8 +125,8 @@ def measure(a, model, prompts, graphs: bool, timer: Timer, bound_ms: float, seen
             row["tokens_vs_graphs_" + ("off" if graphs else "on")] = agreement(out, seen[n, not graphs, sched, gemv])
         if sched != "legacy" and (n, graphs, "legacy", gemv) in seen:
             row["tokens_vs_legacy"] = agreement(out, seen[n, graphs, "legacy", gemv])
-        if gemv == "on" and (n, graphs, sched, "off") in seen:
-            row["tokens_vs_gemv_off"] = agreement(out, seen[n, graphs, sched, "off"])
+        if gemv != "off" and (n, graphs, sched, "off") in seen:
+            row["tokens_vs_kernels_off"] = agreement(out, seen[n, graphs, sched, "off"])
         seen[n, graphs, sched, gemv] = out
         seconds, peak = timer(lambda: call(model, prompts, a.new, graphs))
         one, _ = timer(lambda: call(model, prompts, 1, graphs))  # the same engine (its plan covers this one)
@@ -246,9 +250,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--bandwidth-tb-s", type=float, default=4.8, help="memory bandwidth for the bound (H200: 4.8)")
-    ap.add_argument("--gemv", nargs="+", choices=["on", "off"], default=["on"],
-                    help="batch-1 decode's linear layers on the Triton GEMV kernel (dynamic.DECODE_GEMV; GPU only): "
-                         "one set of rows each, `tokens_vs_gemv_off` where both ran")
+    ap.add_argument("--gemv", nargs="+", choices=["on", "attn", "off"], default=["on"],
+                    help="our decode kernels (GPU only): on = batch-1 decode's linear layers on the Triton GEMV "
+                         "kernel (dynamic.DECODE_GEMV) and decode attention on the split-KV kernels "
+                         "(dynamic.DECODE_ATTENTION); attn = the attention only; off = neither. One set of rows "
+                         "each, `tokens_vs_kernels_off` where off ran too")
     ap.add_argument("--profile", metavar="DIR", help="also write profiler traces and summaries here")
     ap.add_argument("--profile-requests", type=int, nargs="+", default=[1], help="requests of the profiled runs")
     ap.add_argument("--profile-steps", type=int, default=6, help="engine steps traced")
@@ -278,17 +284,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     timer, rows, seen = Timer(a.device, a.repeat), [], {}
     from megatron_patch.inference import dynamic
 
-    default_sched, default_gemv = dynamic.ASYNC_SCHEDULING, dynamic.DECODE_GEMV
+    defaults = dynamic.ASYNC_SCHEDULING, dynamic.DECODE_GEMV, dynamic.DECODE_ATTENTION
     for sched in a.sched:
         for gemv in a.gemv:
             for graphs in ([] if a.skip_rows else a.graphs):
                 for n in a.requests:
                     rows.append(measure(a, model, prompts[:n], graphs == "on", timer, bound_ms, seen, sched, gemv))
                     print(json.dumps(rows[-1]), flush=True)
-    dynamic.DECODE_GEMV = default_gemv
+    dynamic.ASYNC_SCHEDULING, dynamic.DECODE_GEMV, dynamic.DECODE_ATTENTION = defaults
     if a.profile:
         os.makedirs(a.profile, exist_ok=True)
-        dynamic.DECODE_GEMV = a.gemv[0] == "on"
+        dynamic.DECODE_GEMV, dynamic.DECODE_ATTENTION = a.gemv[0] == "on", a.gemv[0] in ("on", "attn")
         for sched in a.sched:
             for n in a.profile_requests:
                 try:
@@ -297,7 +303,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     traceback.print_exc()
                     print(json.dumps({"profile": n, "sched": sched, "error": f"{type(e).__name__}: {str(e)[:300]}"}),
                           flush=True)
-    dynamic.ASYNC_SCHEDULING, dynamic.DECODE_GEMV = default_sched, default_gemv  # the probe leaves the defaults
+    dynamic.ASYNC_SCHEDULING, dynamic.DECODE_GEMV, dynamic.DECODE_ATTENTION = defaults  # the probe leaves them
     return rows
 
 

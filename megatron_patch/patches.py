@@ -547,3 +547,47 @@ def _decode_gemv() -> Callable[[], None] | None:
         targets += [(te_ext.TELinear, "forward", linear_forward),
                     (te_ext.TELayerNormColumnParallelLinear, "forward", ln_linear_forward)]
     return _swap(targets)
+
+
+@register("split_kv_decode_attention", ">=0.18.2,<0.20")
+def _split_kv_decode_attention() -> Callable[[], None] | None:
+    """Decode-only steps of megatron-core's dynamic engine attend through our split-KV Triton kernels
+    (`megatron_patch.inference.decode_attention`) instead of FlashAttention-4, which has no split-KV kernel on
+    Hopper: one decode token per request then attends in one program per (request, KV head), 19 us a layer at 8B
+    over ~1k cached tokens whose bytes take ~1 us (docs/benchmarks.md, issue 27).
+
+    Wraps `Attention.flash_decode_and_prefill` (`megatron/core/transformer/attention.py`, 0.18.2 to 0.19.x, same
+    arguments; 0.19 adds `softmax_offset`): a decode-only call with one query per request, 16-bit inputs the
+    kernels take (`decode_attention.supports`), no sink logits, no sliding window for the layer, not
+    batch-invariant mode and not multi-latent attention runs the kernels; every other call the original. Needs a
+    GPU and Triton; applied by the dynamic engine (`inference.dynamic.DECODE_ATTENTION`)."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return None
+    from megatron.core.transformer import attention
+    from megatron.core.transformer.utils import is_layer_window_attention
+
+    from megatron_patch.inference import decode_attention as da
+
+    original = attention.Attention.flash_decode_and_prefill
+
+    @functools.wraps(original)
+    def flash_decode_and_prefill(self, q, k, v, max_seqlen_q, max_seqlen_k, cu_seqlens_q, cu_seqlens_k, seqlens_k,
+                                 block_table, is_decode_only, softmax_offset=None):
+        config = self.config
+        if (is_decode_only and softmax_offset is None and q.is_cuda and q.dim() == 4 and k.dim() == 4
+                and q.shape[0] == seqlens_k.shape[0] and da.supports(q[:, 0], k)
+                and not getattr(self, "batch_invariant_mode", False)
+                and type(config).__name__ != "MLATransformerConfig"
+                and not is_layer_window_attention(config.window_size, config.window_attn_skip_freq,
+                                                  self.layer_number)):
+            scale = getattr(self, "softmax_scale", None) or q.shape[-1] ** -0.5
+            return da.decode_attention(q[:, 0], k, v, block_table, seqlens_k, scale)[:, None]
+        extra = {} if softmax_offset is None else {"softmax_offset": softmax_offset}
+        return original(self, q, k, v, max_seqlen_q, max_seqlen_k, cu_seqlens_q, cu_seqlens_k, seqlens_k,
+                        block_table, is_decode_only, **extra)
+
+    return _swap([(attention.Attention, "flash_decode_and_prefill", flash_decode_and_prefill)])

@@ -40,6 +40,10 @@ ASYNC_SCHEDULING: bool | None = None
 # `inference/gemv.py`), instead of cuBLAS's GEMM kernels and TE's norm kernel. Steps of at most `gemv.MAX_ROWS`
 # tokens only, bf16 / fp16, TP = 1, no FP8. None: on where there is a GPU; True / False: on / off (off on a CPU).
 DECODE_GEMV: bool | None = None
+# Decode-only steps' attention on our split-KV Triton kernels (the `split_kv_decode_attention` patch,
+# `inference/decode_attention.py`) instead of FlashAttention-4, which cannot split the key length on Hopper.
+# None: on where there is a GPU; True / False: on / off (off on a CPU).
+DECODE_ATTENTION: bool | None = None
 
 
 def default_max_requests() -> int:
@@ -62,14 +66,17 @@ class EnginePlan:
     non_decode_graphs: bool  # also for prefill / mixed steps (not with the torch paged attention)
     async_scheduling: bool = False  # megatron-core's async_sched_mode="async" (ASYNC_SCHEDULING)
     decode_gemv: bool = False  # the decode_gemv patch (DECODE_GEMV): the CUDA graphs hold its kernels
+    decode_attention: bool = False  # the split_kv_decode_attention patch (DECODE_ATTENTION): likewise
 
     def covers(self, other: EnginePlan) -> bool:
         """An engine built for this plan serves `other` as well: the same graphs, at least as much room, and
         the same in-flight maximum where it binds (more slots than a call has requests change nothing)."""
         slots = (self.max_requests == other.max_requests
                  or (not other.bounded and self.max_requests >= other.max_requests))
-        return (slots and (self.cuda_graphs, self.non_decode_graphs, self.async_scheduling, self.decode_gemv)
-                == (other.cuda_graphs, other.non_decode_graphs, other.async_scheduling, other.decode_gemv)
+        kernels = (self.cuda_graphs, self.non_decode_graphs, self.async_scheduling, self.decode_gemv,
+                   self.decode_attention)
+        return (slots and kernels == (other.cuda_graphs, other.non_decode_graphs, other.async_scheduling,
+                                      other.decode_gemv, other.decode_attention)
                 and self.max_sequence_length >= other.max_sequence_length and self.max_tokens >= other.max_tokens
                 and self.kv_cache_gb >= other.kv_cache_gb)
 
@@ -135,7 +142,8 @@ def plan_engine(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, ma
                       max_tokens=max(DynamicInferenceContext.DEFAULT_MAX_TOKENS, longest, n),
                       kv_cache_gb=budget / 1024 ** 3, cuda_graphs=cuda_graphs,
                       non_decode_graphs=not patches.attends_in_torch(model.config.params_dtype),
-                      async_scheduling=async_scheduling(), decode_gemv=decode_gemv())
+                      async_scheduling=async_scheduling(), decode_gemv=wanted(DECODE_GEMV),
+                      decode_attention=wanted(DECODE_ATTENTION))
 
 
 def async_scheduling() -> bool:
@@ -146,11 +154,12 @@ def async_scheduling() -> bool:
     return bool(wanted) and compat.async_scheduling_available()
 
 
-def decode_gemv() -> bool:
-    """Whether engines built now run batch-1 decode's linear layers on the GEMV kernel (`DECODE_GEMV`)."""
+def wanted(switch: bool | None) -> bool:
+    """A GPU-only switch of this module (`DECODE_GEMV`, `DECODE_ATTENTION`): None is on where there is a GPU;
+    always off without one."""
     import torch
 
-    return bool(torch.cuda.is_available() if DECODE_GEMV is None else DECODE_GEMV) and torch.cuda.is_available()
+    return bool(True if switch is None else switch) and torch.cuda.is_available()
 
 
 def unsupported_attention(model) -> str | None:
@@ -187,7 +196,8 @@ def generate_dynamic(model, tokenizer, prompts: list[list[int]], sampling: Sampl
           patches.applied("fa4_no_split_kv_on_sm90"), _inference_mode()):
         _require_einops()
         plan = plan_engine(model, prompts, sampling.max_new_tokens, max_requests, kv_cache_gb, cuda_graphs)
-        with patches.applied("decode_gemv") if plan.decode_gemv else contextlib.nullcontext():
+        with (patches.applied("decode_gemv") if plan.decode_gemv else contextlib.nullcontext(),
+              patches.applied("split_kv_decode_attention") if plan.decode_attention else contextlib.nullcontext()):
             engine = _Engines.get(model, tokenizer, plan)
             return _run(engine, tokenizer, prompts, sampling, on_tokens)
 

@@ -93,16 +93,19 @@ def test_dynamic_engine_256_mixed_requests_graphs_on_equals_off(trained):
 
 
 @pytest.mark.smoke
-def test_decode_gemv_layers_and_greedy_tokens(trained):
+def test_decode_kernels_layers_and_greedy_tokens(trained):
     """Issue 27: batch-1 decode's linear layers on our Triton GEMV kernel (the `decode_gemv` patch) compute what
-    cuBLAS + TE's norm compute. Per layer kind (the fused-norm QKV and FC1, the projection and FC2, the output
+    cuBLAS + TE's norm compute, and our split-KV decode attention (`split_kv_decode_attention`) what float64
+    does. Per layer kind (the fused-norm QKV and FC1, the projection and FC2, the output
     layer), one token in bf16: the kernel's distance to an fp64 reference of the same bf16 inputs is at most
     cuBLAS's own distance plus half a bf16 step of the output (each rounds fp32 sums once; TE's norm output
     and ours may differ by a rounding). Then greedy generation one request at a time (decode steps of one
-    token: the kernel's shape) with the kernel on equals HF bf16's tokens (near-ties allowed, as above) and
-    its tokens with the kernel off."""
+    token: the kernels' shape) with the kernels on and off equals HF bf16's tokens (near-ties allowed, as above).
+    The attention at Llama-3-8B's heads over megatron's 256-token pages: within the bf16 rounding of the
+    probabilities (2^-8 of max |v|) and of the output of a float64 reference."""
     from megatron_patch import patches
-    from megatron_patch.inference import Sampling, dynamic, generate, load_model
+    from megatron_patch.inference import Sampling, decode_attention, dynamic, generate, load_model
+    from megatron_patch.inference.paged_attention import attend
     from megatron_patch.tokenizer import build_tokenizer
 
     hf_dir, prompts, _ = trained
@@ -130,15 +133,28 @@ def test_decode_gemv_layers_and_greedy_tokens(trained):
             err_base, err_ours = (base - ref).abs().max().item(), (ours - ref).abs().max().item()
             report[name] = {"cublas": err_base, "gemv": err_ours, "half_bf16_step": half_step}
             assert err_ours <= err_base + half_step, (name, report[name])
+    pool, page, lengths = 40, 256, [1, 300, 1100, 0]
+    k = torch.randn(pool, page, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    v = torch.randn(pool, page, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    table = torch.randperm(pool, device="cuda", generator=gen)[:5 * len(lengths)].view(len(lengths), 5).int()
+    lens = torch.tensor(lengths, device="cuda", dtype=torch.int32)
+    q = torch.randn(len(lengths), 32, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    y = decode_attention.decode_attention(q, k, v, table, lens, 128 ** -0.5).double()
+    keys, values = k[table.long()].flatten(1, 2).double(), v[table.long()].flatten(1, 2).double()
+    ref = attend(q.double()[:, None], keys, values, (lens.long() - 1)[:, None], lens.long(), 128 ** -0.5, None,
+                 None)[:, 0]
+    report["attention"] = {"max_abs_diff": (y - ref).abs().max().item()}
+    assert ((y - ref).abs() <= 2.0 ** -8 * values.abs().amax() + 2.0 ** -8 * ref.abs() + 1e-6).all()
+    assert not y[3].any()
     tok = build_tokenizer(hf_dir)
     sampling = Sampling(STEPS, top_k=1, stop_id=None)
     seen = {}
     for on in (False, True):
-        dynamic.DECODE_GEMV = on
+        dynamic.DECODE_GEMV = dynamic.DECODE_ATTENTION = on
         try:
             seen[on] = [generate(model, tok, [p], sampling, max_batch_size=1, engine="dynamic")[0] for p in prompts]
         finally:
-            dynamic.DECODE_GEMV = None
+            dynamic.DECODE_GEMV = dynamic.DECODE_ATTENTION = None
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16).to("cuda").eval()
@@ -147,9 +163,9 @@ def test_decode_gemv_layers_and_greedy_tokens(trained):
         ref, margins = hf_greedy(hf, prompt, "cuda")
         for on in (False, True):
             first = next((j for j, (a, b) in enumerate(zip(seen[on][i], ref)) if a != b), None)
-            diffs.append({"prompt": i, "gemv": on, "first_diff": first,
+            diffs.append({"prompt": i, "kernels": on, "first_diff": first,
                           "hf_margin_at_diff": None if first is None else round(margins[first], 4)})
     same = sum(a == b for a, b in zip(seen[True], seen[False]))
-    _record(test="decode_gemv", layers=report, identical_on_off=same, prompts=len(prompts), vs_hf=diffs)
+    _record(test="decode_kernels", layers=report, identical_on_off=same, prompts=len(prompts), vs_hf=diffs)
     for d in diffs:
         assert d["first_diff"] is None or d["hf_margin_at_diff"] < MARGIN[torch.bfloat16], d

@@ -1,5 +1,6 @@
-"""The decode GEMV kernel (`megatron_patch.inference.gemv`, issue 27) on a CPU through Triton's interpreter: the
-arithmetic of the kernel the GPU runs (the same source), against float64 references of the same bf16 inputs."""
+"""Our decode kernels (issue 27) on a CPU through Triton's interpreter: the GEMV (`megatron_patch.inference.gemv`)
+and the split-KV paged decode attention (`megatron_patch.inference.decode_attention`), the same source the GPU
+runs, against float64 references of the same bf16 inputs."""
 
 import os
 import subprocess
@@ -8,8 +9,9 @@ import sys
 import pytest
 import torch
 
-from megatron_patch.inference import dynamic
+from megatron_patch.inference import decode_attention, dynamic
 from megatron_patch.inference import gemv as gemv_mod
+from megatron_patch.inference.paged_attention import attend
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Triton reads TRITON_INTERPRET when it is imported: the kernel tests run in a process that set it first
@@ -20,7 +22,7 @@ def test_the_kernel_tests_under_triton_interpreter():
     pytest.importorskip("triton")
     if INTERPRETED:
         pytest.skip("this is that process")
-    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "gemv_",
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "gemv_ or attention_",
                         os.path.abspath(__file__)], cwd=ROOT, capture_output=True, text=True, timeout=600,
                        env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": ROOT})
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
@@ -41,7 +43,8 @@ def _bound(h: torch.Tensor, w: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     return ref.abs() * 2.0 ** -7 + k * 2.0 ** -24 * (h.abs() @ w.abs().T) + 1e-30
 
 
-@pytest.mark.parametrize("m, n, k, block_k", [(1, 40, 96, 32), (3, 17, 130, 64), (2, 64, 2048, 1024), (1, 5, 1000, 256)])
+@pytest.mark.parametrize("m, n, k, block_k",
+                         [(1, 40, 96, 32), (3, 17, 130, 64), (2, 64, 2048, 1024), (1, 5, 1000, 256)])
 def test_gemv_equals_float64_with_bias(interpreted, m, n, k, block_k):
     g = torch.Generator().manual_seed(m * n + k)
     x = torch.randn(m, 1, k, generator=g).to(torch.bfloat16)
@@ -94,8 +97,47 @@ def test_decode_gemv_needs_a_gpu(monkeypatch):
     (their CUDA graphs hold its kernels)."""
     from megatron_patch import patches
 
-    assert not patches.apply("decode_gemv")
-    monkeypatch.setattr(dynamic, "DECODE_GEMV", True)
-    assert dynamic.decode_gemv() is False
-    plan = dynamic.EnginePlan(1, False, 64, 64, 0.1, True, True, False, False)
-    assert plan.covers(plan) and not plan.covers(dynamic.EnginePlan(1, False, 64, 64, 0.1, True, True, False, True))
+    assert not patches.apply("decode_gemv") and not patches.apply("split_kv_decode_attention")
+    assert dynamic.wanted(True) is False and dynamic.wanted(None) is False
+    plan = dynamic.EnginePlan(1, False, 64, 64, 0.1, True, True, False, False, False)
+    assert plan.covers(plan)
+    assert not plan.covers(dynamic.EnginePlan(1, False, 64, 64, 0.1, True, True, False, True, False))
+    assert not plan.covers(dynamic.EnginePlan(1, False, 64, 64, 0.1, True, True, False, False, True))
+
+
+@pytest.mark.parametrize("requests, heads, kv_heads, dim, page, lengths", [
+    (3, 8, 2, 32, 64, [1, 200, 0]),  # a single key, several pages, a padding row
+    (1, 4, 4, 64, 128, [500]),  # one request: many splits of one tile each
+    (2, 32, 8, 128, 256, [257, 1024]),  # Llama-3-8B's heads, megatron's 256-token pages, a full table
+])
+def test_split_kv_decode_attention_equals_float64(interpreted, requests, heads, kv_heads, dim, page, lengths):
+    """Every split and the combine: equal to softmax(q k^T / sqrt(d)) v in float64 over each request's pages in
+    its block-table order, within the bf16 rounding of the probabilities before P V (as flash-attn rounds
+    them: 2^-8 of max |v|) and of the output (one bf16 step under the interpreter, which truncates); a padding
+    row (length 0) gives 0."""
+    g = torch.Generator().manual_seed(sum(lengths) + heads)
+    blocks = 4
+    pool = requests * blocks + 3
+    k = torch.randn(pool, page, kv_heads, dim, generator=g).to(torch.bfloat16)
+    v = torch.randn(pool, page, kv_heads, dim, generator=g).to(torch.bfloat16)
+    table = torch.stack([torch.randperm(pool, generator=g)[:blocks] for _ in range(requests)]).int()
+    lens = torch.tensor(lengths, dtype=torch.int32)
+    q = torch.randn(requests, heads, dim, generator=g).to(torch.bfloat16)
+    scale = dim ** -0.5
+    y = decode_attention.decode_attention(q, k, v, table, lens, scale)
+    keys, values = k[table.long()].flatten(1, 2).double(), v[table.long()].flatten(1, 2).double()
+    ref = attend(q.double()[:, None], keys, values, (lens.long() - 1)[:, None], lens.long(), scale, None, None)[:, 0]
+    bound = 2.0 ** -8 * values.abs().amax() + 2.0 ** -7 * ref.abs() + 1e-6
+    assert y.shape == q.shape and y.dtype == q.dtype
+    assert ((y.double() - ref).abs() <= bound).all()
+    assert torch.equal(y[lens == 0], torch.zeros_like(y[lens == 0]))
+
+
+def test_split_kv_decode_attention_splits_to_fill_the_gpu():
+    """Requests x KV heads x splits reaches ~2 programs per SM, each split whole tiles, never past the table."""
+    assert decode_attention.part_for(1, 8, 1280) == 64  # 20 splits of 64 (the target asks for 33)
+    assert decode_attention.part_for(1, 8, 8192) == 256  # 32 splits
+    assert decode_attention.part_for(64, 8, 1280) == 1280  # one split: 512 programs already
+    for n, hk, length in [(1, 8, 1280), (3, 2, 256), (256, 8, 4096)]:
+        part = decode_attention.part_for(n, hk, length)
+        assert part % decode_attention.BLOCK_T == 0 and -(-length // part) * part < length + part
