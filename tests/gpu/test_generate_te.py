@@ -116,19 +116,22 @@ def test_decode_kernels_layers_and_greedy_tokens(trained):
     gen = torch.Generator(device="cuda").manual_seed(0)
     report = {}
     with torch.no_grad():
+        tied = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
         for name, mod in mods.items():
-            width = mod.weight.shape[1]
+            weight = tied if name == "output" and tied is not None else mod.weight
+            kw = {"weight": tied} if name == "output" and tied is not None else {}
+            width = weight.shape[1]
             x = torch.randn(1, 1, width, device="cuda", dtype=torch.bfloat16, generator=gen)
-            base = mod(x)[0].double()
+            base = mod(x, **kw)[0].double()
             with patches.applied("decode_gemv") as active:
                 assert active
-                ours = mod(x)[0].double()
+                ours = mod(x, **kw)[0].double()
             h = x.double()
             if hasattr(mod, "layer_norm_weight"):  # RMSNorm in fp32, handed to the GEMM in bf16
                 xf = x.float()
                 h = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + mod.eps) * mod.layer_norm_weight.float())
                 h = h.to(torch.bfloat16).double()
-            ref = h @ mod.weight.double().T
+            ref = h @ weight.double().T
             half_step = (ref.abs().max() * 2.0 ** -8).item()
             err_base, err_ours = (base - ref).abs().max().item(), (ours - ref).abs().max().item()
             report[name] = {"cublas": err_base, "gemv": err_ours, "half_bf16_step": half_step}
