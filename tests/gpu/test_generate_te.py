@@ -151,13 +151,13 @@ def test_decode_kernels_layers_and_greedy_tokens(trained):
     assert not y[3].any()
     tok = build_tokenizer(hf_dir)
     sampling = Sampling(STEPS, top_k=1, stop_id=None)
-    seen = {}
+    seen, defaults = {}, (dynamic.DECODE_GEMV, dynamic.DECODE_ATTENTION)
     for on in (False, True):
         dynamic.DECODE_GEMV = dynamic.DECODE_ATTENTION = on
         try:
             seen[on] = [generate(model, tok, [p], sampling, max_batch_size=1, engine="dynamic")[0] for p in prompts]
         finally:
-            dynamic.DECODE_GEMV = dynamic.DECODE_ATTENTION = None
+            dynamic.DECODE_GEMV, dynamic.DECODE_ATTENTION = defaults
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16).to("cuda").eval()
