@@ -39,11 +39,12 @@ ASYNC_SCHEDULING: bool | None = None
 # Batch-1 decode's linear layers as one Triton GEMV kernel each, norms folded in (the `decode_gemv` patch,
 # `inference/gemv.py`), instead of cuBLAS's GEMM kernels and TE's norm kernel. Steps of at most `gemv.MAX_ROWS`
 # tokens only, bf16 / fp16, TP = 1, no FP8. None: on where there is a GPU; True / False: on / off (off on a CPU).
-# Off by default until the GPU measures it (written 2026-12-03 without a GPU: `engine_probe.py --gemv off attn on`).
+# Off by default for now: at 8B, one request, both kernels took a decode step from 6.96 to 6.31 ms (2026-12-03,
+# docs/benchmarks.md); their launch configurations and the many-request rows are measured first.
 DECODE_GEMV: bool | None = False
 # Decode-only steps' attention on our split-KV Triton kernels (the `split_kv_decode_attention` patch,
 # `inference/decode_attention.py`) instead of FlashAttention-4, which cannot split the key length on Hopper.
-# None: on where there is a GPU; True / False: on / off (off on a CPU). Off by default until measured, as above.
+# None: on where there is a GPU; True / False: on / off (off on a CPU). Off by default for now, as above.
 DECODE_ATTENTION: bool | None = False
 
 

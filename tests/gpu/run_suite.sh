@@ -5,7 +5,7 @@
 #
 #   bash tests/gpu/run_suite.sh smoke    # every GPU path once: a TE family vs HF, the converter's verify, generation
 #                                        # on both engines, 5 iterations bf16 and fp8, a LoRA run, PPO and GRPO steps,
-#                                        # evaluate and an lm-eval run, HybridModel under TE (<= 3 min on one H200).
+#                                        # evaluate and an lm-eval run, HybridModel under TE (~4 min on one H200).
 #                                        # Any change to code on a GPU path runs it before it lands.
 #   bash tests/gpu/run_suite.sh quick    # every GPU test but the two proofs (~5 min; NCCL / MoE tests need 2 GPUs)
 #   bash tests/gpu/run_suite.sh rest     # quick without the smoke tests: after `smoke`, the rest of quick
