@@ -101,6 +101,14 @@ def set_sched(sched: str) -> None:
     dynamic.ASYNC_SCHEDULING = sched == "async"
 
 
+def set_kernels(kernels: str) -> None:
+    """Our decode kernels for the engines built from now on (--gemv): on = GEMV and split-KV attention, attn = the
+    attention only, off = neither."""
+    from megatron_patch.inference import dynamic
+
+    dynamic.DECODE_GEMV, dynamic.DECODE_ATTENTION = kernels == "on", kernels in ("on", "attn")
+
+
 def measure(a, model, prompts, graphs: bool, timer: Timer, bound_ms: float, seen: dict, sched: str = "legacy",
             gemv: str = "on") -> dict:
     """One row; `seen` keeps each (requests, graphs, sched, kernels)'s tokens, compared with the other graphs
@@ -112,7 +120,7 @@ def measure(a, model, prompts, graphs: bool, timer: Timer, bound_ms: float, seen
     row = {"shape": a.shape, "requests": len(prompts), "cuda_graphs": graphs, "sched": sched, "new": a.new}
     try:
         set_sched(sched)
-        dynamic.DECODE_GEMV, dynamic.DECODE_ATTENTION = gemv == "on", gemv in ("on", "attn")
+        set_kernels(gemv)
         row["gemv"], row["split_kv_attention"] = dynamic.wanted(dynamic.DECODE_GEMV), dynamic.wanted(
             dynamic.DECODE_ATTENTION)
         timer.sync()
@@ -294,7 +302,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     dynamic.ASYNC_SCHEDULING, dynamic.DECODE_GEMV, dynamic.DECODE_ATTENTION = defaults
     if a.profile:
         os.makedirs(a.profile, exist_ok=True)
-        dynamic.DECODE_GEMV, dynamic.DECODE_ATTENTION = a.gemv[0] == "on", a.gemv[0] in ("on", "attn")
+        set_kernels(a.gemv[0])
         for sched in a.sched:
             for n in a.profile_requests:
                 try:
