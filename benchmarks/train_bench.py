@@ -391,14 +391,15 @@ def main() -> None:
     ap.add_argument("--micro-batches", type=int, default=8, help="micro-batches per optimizer step, every side")
     ap.add_argument("--gpus", type=int, default=1, help="processes of our runs (layout runs need 2)")
     ap.add_argument("--runs", nargs="+", default=["bf16", "fp8"], choices=sorted(RUNS))
-    ap.add_argument("--hf", nargs="*", default=["hf"], choices=HF_RUNS, help="HF rows (none: skip HF)")
-    ap.add_argument("--torchtitan", nargs="*", default=["torchtitan"], choices=sorted(titan_peer.TITAN_RUNS),
+    ap.add_argument("--hf", nargs="+", default=["hf"], choices=[*HF_RUNS, "none"], help="HF rows (none: skip HF)")
+    ap.add_argument("--torchtitan", nargs="+", default=["torchtitan"], choices=[*sorted(titan_peer.TITAN_RUNS), "none"],
                     help="torchtitan rows (none: skip torchtitan)")
     ap.add_argument("--losses", type=int, default=0,
                     help="also compare the first N iterations' losses with the same precision's 'none' run")
     ap.add_argument("--trace", choices=sorted(RUNS), help="record and summarise a profiler trace of this run")
     ap.add_argument("--dry-run", action="store_true", help="print our runs' commands, run nothing")
     a = ap.parse_args()
+    a.hf, a.torchtitan = ([n for n in names if n != "none"] for names in (a.hf, a.torchtitan))
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         if a.dry_run:

@@ -455,26 +455,38 @@ def _fa4_no_split_kv_on_sm90() -> Callable[[], None] | None:
     return _swap([(attention, "flash_attn4_varlen_func", one_split)])
 
 
-def _te_fp8_on() -> bool:
-    """Whether a Transformer Engine FP8 (or other quantized) autocast is active."""
+def _fp8_autocast_probe() -> Callable[[], bool]:
+    """A call that says whether a Transformer Engine FP8 (or other quantized) autocast is active, resolved once:
+    TE 2.x's `quantization.FP8GlobalStateManager` (older: `fp8`), or "never" without TE."""
     for where in ("transformer_engine.pytorch.quantization", "transformer_engine.pytorch.fp8"):
         try:
-            return bool(importlib.import_module(where).FP8GlobalStateManager.is_fp8_enabled())
+            return importlib.import_module(where).FP8GlobalStateManager.is_fp8_enabled
         except (ImportError, AttributeError):
             continue
-    return False
+    return lambda: False
 
 
-def _gemv_serves(x: torch.Tensor, weight, tp_size: int) -> bool:
+def _gpu_with_triton() -> bool:
+    """Whether our Triton kernels can run here: a CUDA GPU and Triton importable."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _gemv_serves(x: torch.Tensor, weight, tp_size: int, fp8_on: Callable[[], bool]) -> bool:
     """Whether a linear layer's call is a decode-sized inference call `inference.gemv` serves: no autograd, at
     most `gemv.MAX_ROWS` tokens, bf16 / fp16 on a GPU, a plain (not quantized) weight of x's dtype, one
-    tensor-parallel rank, no FP8 autocast."""
+    tensor-parallel rank, no FP8 autocast (`fp8_on()`)."""
     from megatron_patch.inference import gemv
 
     return (not torch.is_grad_enabled() and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
             and type(weight) in (torch.Tensor, torch.nn.Parameter) and weight.dtype == x.dtype
             and weight.dim() == 2 and weight.stride(-1) == 1 and x.shape[-1] == weight.shape[1]
-            and 0 < x.numel() // weight.shape[1] <= gemv.MAX_ROWS and tp_size == 1 and not _te_fp8_on())
+            and 0 < x.numel() // weight.shape[1] <= gemv.MAX_ROWS and tp_size == 1 and not fp8_on())
 
 
 @register("decode_gemv", ">=0.18.2,<0.20")
@@ -490,23 +502,20 @@ def _decode_gemv() -> Callable[[], None] | None:
     `return_layernorm_output` takes the kernel; any other call runs the original forward. The return values
     are the originals' (`(output, bias)`, the bias returned instead of added where the layer skips the bias
     add). Needs a GPU and Triton; applied by the dynamic engine (`inference.dynamic.DECODE_GEMV`)."""
-    if not torch.cuda.is_available():
-        return None
-    try:
-        import triton  # noqa: F401
-    except ImportError:
+    if not _gpu_with_triton():
         return None
     from megatron.core.tensor_parallel import layers
 
     from megatron_patch.inference.gemv import NORMS, Norm, gemv
 
+    fp8_on = _fp8_autocast_probe()
     targets = []
     column = layers.ColumnParallelLinear.forward
 
     @functools.wraps(column)
     def column_forward(self, input_, weight=None, runtime_gather_output=None):
         w = self.weight if weight is None else weight
-        if w is None or not _gemv_serves(input_, w, layers.get_pg_size(self.tp_group)):
+        if w is None or not _gemv_serves(input_, w, layers.get_pg_size(self.tp_group), fp8_on):
             return column(self, input_, weight, runtime_gather_output)
         if self.skip_bias_add:
             return gemv(input_, w), self.bias
@@ -526,7 +535,7 @@ def _decode_gemv() -> Callable[[], None] | None:
 
         @functools.wraps(linear)
         def linear_forward(self, x):
-            if not _gemv_serves(x, self.weight, getattr(self, "tp_size", 1)):
+            if not _gemv_serves(x, self.weight, getattr(self, "tp_size", 1), fp8_on):
                 return linear(self, x)
             if self.te_return_bias:
                 return gemv(x, self.weight), bias_of(self)
@@ -534,7 +543,7 @@ def _decode_gemv() -> Callable[[], None] | None:
 
         @functools.wraps(ln_linear)
         def ln_linear_forward(self, x):
-            if (not _gemv_serves(x, self.weight, getattr(self, "tp_size", 1))
+            if (not _gemv_serves(x, self.weight, getattr(self, "tp_size", 1), fp8_on)
                     or getattr(self, "normalization", None) not in NORMS or self.return_layernorm_output):
                 return ln_linear(self, x)
             norm = Norm(self.normalization, self.layer_norm_weight,
@@ -561,11 +570,7 @@ def _split_kv_decode_attention() -> Callable[[], None] | None:
     kernels take (`decode_attention.supports`), no sink logits, no sliding window for the layer, not
     batch-invariant mode and not multi-latent attention runs the kernels; every other call the original. Needs a
     GPU and Triton; applied by the dynamic engine (`inference.dynamic.DECODE_ATTENTION`)."""
-    if not torch.cuda.is_available():
-        return None
-    try:
-        import triton  # noqa: F401
-    except ImportError:
+    if not _gpu_with_triton():
         return None
     from megatron.core.transformer import attention
     from megatron.core.transformer.utils import is_layer_window_attention

@@ -93,7 +93,17 @@ def test_dynamic_engine_256_mixed_requests_graphs_on_equals_off(trained):
 
 
 @pytest.mark.smoke
-def test_decode_kernels_layers_and_greedy_tokens(trained):
+def _cuda_kernels(fn, *args, **kwargs) -> list[str]:
+    """The names of the CUDA kernels fn(*args, **kwargs) launches (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn(*args, **kwargs)
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def test_decode_kernels_layers_and_greedy_tokens(trained, monkeypatch):
     """Issue 27: batch-1 decode's linear layers on our Triton GEMV kernel (the `decode_gemv` patch) compute what
     cuBLAS + TE's norm compute, and our split-KV decode attention (`split_kv_decode_attention`) what float64
     does. Per layer kind (the fused-norm QKV and FC1, the projection and FC2, the output
@@ -101,6 +111,9 @@ def test_decode_kernels_layers_and_greedy_tokens(trained):
     cuBLAS's own distance plus half a bf16 step of the output (each rounds fp32 sums once; TE's norm output
     and ours may differ by a rounding). Then greedy generation one request at a time (decode steps of one
     token: the kernels' shape) with the kernels on and off equals HF bf16's tokens (near-ties allowed, as above).
+    That the kernels ran is checked, not assumed (the GEMV and cuBLAS can round alike): per layer the profiler
+    sees `gemv_kernel` with the patch and not without; the engine calls both kernels' launchers with them on and
+    neither with them off.
     The attention at Llama-3-8B's heads over megatron's 256-token pages: within the bf16 rounding of the
     probabilities (2^-8 of max |v|) and of the output of a float64 reference."""
     from megatron_patch import patches
@@ -123,9 +136,11 @@ def test_decode_kernels_layers_and_greedy_tokens(trained):
             width = weight.shape[1]
             x = torch.randn(1, 1, width, device="cuda", dtype=torch.bfloat16, generator=gen)
             base = mod(x, **kw)[0].double()
+            assert not any("gemv_kernel" in k for k in _cuda_kernels(mod, x, **kw)), name
             with patches.applied("decode_gemv") as active:
                 assert active
                 ours = mod(x, **kw)[0].double()
+                assert any("gemv_kernel" in k for k in _cuda_kernels(mod, x, **kw)), name
             h = x.double()
             if hasattr(mod, "layer_norm_weight"):  # RMSNorm in fp32, handed to the GEMM in bf16
                 xf = x.float()
@@ -151,13 +166,28 @@ def test_decode_kernels_layers_and_greedy_tokens(trained):
     assert not y[3].any()
     tok = build_tokenizer(hf_dir)
     sampling = Sampling(STEPS, top_k=1, stop_id=None)
-    seen, defaults = {}, (dynamic.DECODE_GEMV, dynamic.DECODE_ATTENTION)
+    from megatron_patch.inference import gemv as gemv_module
+
+    launches = {"gemv": 0, "attention": 0}
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            launches[name] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(gemv_module, "gemv", counted("gemv", gemv_module.gemv))
+    monkeypatch.setattr(decode_attention, "decode_attention", counted("attention", decode_attention.decode_attention))
+    seen, defaults, calls = {}, (dynamic.DECODE_GEMV, dynamic.DECODE_ATTENTION), {}
     for on in (False, True):
         dynamic.DECODE_GEMV = dynamic.DECODE_ATTENTION = on
+        launches.update(gemv=0, attention=0)
         try:
             seen[on] = [generate(model, tok, [p], sampling, max_batch_size=1, engine="dynamic")[0] for p in prompts]
         finally:
             dynamic.DECODE_GEMV, dynamic.DECODE_ATTENTION = defaults
+        calls[on] = dict(launches)
+    assert calls[False] == {"gemv": 0, "attention": 0} and all(calls[True].values()), calls
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16).to("cuda").eval()
@@ -169,6 +199,7 @@ def test_decode_kernels_layers_and_greedy_tokens(trained):
             diffs.append({"prompt": i, "kernels": on, "first_diff": first,
                           "hf_margin_at_diff": None if first is None else round(margins[first], 4)})
     same = sum(a == b for a, b in zip(seen[True], seen[False]))
-    _record(test="decode_kernels", layers=report, identical_on_off=same, prompts=len(prompts), vs_hf=diffs)
+    _record(test="decode_kernels", layers=report, identical_on_off=same, prompts=len(prompts), vs_hf=diffs,
+            launcher_calls=calls)
     for d in diffs:
         assert d["first_diff"] is None or d["hf_margin_at_diff"] < MARGIN[torch.bfloat16], d

@@ -31,15 +31,15 @@ def _opt(cmd: list[str], flag: str) -> str:
 
 def test_hybrid_and_lora_runs():
     """Issue 29's rows: HybridModel and LoRA runs are the default profile plus one setting each."""
-    hybrid, lora, base = _dry_run("--torchtitan", "--hf", "--shapes", "8b", "--runs", "bf16 +hybrid", "fp8 +lora",
-                                  "bf16")
+    hybrid, lora, base = _dry_run("--torchtitan", "none", "--hf", "none", "--shapes", "8b", "--runs", "bf16 +hybrid",
+                                  "fp8 +lora", "bf16")
     assert _opt(hybrid, "--model-class") == "hybrid" and _opt(hybrid, "--throughput-profile") == "default"
     assert (_opt(lora, "--lora-rank"), _opt(lora, "--lora-alpha"), _opt(lora, "--precision")) == ("16", "32", "fp8")
     assert "--model-class" not in base and "--lora-rank" not in base
 
 
 def test_training_benchmark_commands():
-    (none, default, mbs2, graphs) = _dry_run("--torchtitan", "--shapes", "8b", "--runs", "bf16 none", "bf16",
+    (none, default, mbs2, graphs) = _dry_run("--torchtitan", "none", "--shapes", "8b", "--runs", "bf16 none", "bf16",
                                              "bf16 mbs2", "fp8 +graph-full")
     for cmd in (none, default, mbs2, graphs):
         # 8 micro-batches of 8192 tokens per optimizer step, whatever the micro-batch size
@@ -48,7 +48,7 @@ def test_training_benchmark_commands():
     assert (_opt(default, "--micro-batch-size"), _opt(mbs2, "--micro-batch-size")) == ("1", "2")
     assert _opt(graphs, "--precision") == "fp8" and _opt(graphs, "--cuda-graph-impl") == "full_iteration"
     assert _opt(graphs, "--throughput-profile") == "benchmark"  # megatron wants the NaN check off with it
-    dp2, tp2 = _dry_run("--torchtitan", "--shapes", "8b-full", "--gpus", "2", "--runs", "fp8 dp2", "fp8 tp2")
+    dp2, tp2 = _dry_run("--torchtitan", "none", "--shapes", "8b-full", "--gpus", "2", "--runs", "fp8 dp2", "fp8 tp2")
     assert _opt(dp2, "--nproc_per_node") == "2" and _opt(dp2, "--global-batch-size") == "16"  # 8 per replica
     assert _opt(tp2, "--global-batch-size") == "8" and "--sequence-parallel" in tp2
 

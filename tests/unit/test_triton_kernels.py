@@ -105,6 +105,27 @@ def test_decode_gemv_needs_a_gpu(monkeypatch):
     assert not plan.covers(dynamic.EnginePlan(1, False, 64, 64, 0.1, True, True, False, False, True))
 
 
+def test_gemv_serves_only_decode_sized_plain_calls_outside_fp8():
+    """The GEMV's eligibility check: the FP8 state is looked up once (a call handed in), and a call outside what
+    the kernel serves (autograd, too many tokens, FP8 autocast, TP > 1) keeps the original forward."""
+    from megatron_patch import patches
+
+    assert patches._fp8_autocast_probe()() is False  # no Transformer Engine here: never FP8
+    w = torch.zeros(8, 16, dtype=torch.bfloat16)
+    x = torch.zeros(1, 1, 16, dtype=torch.bfloat16)
+    off, on = (lambda: False), (lambda: True)
+    def on_gpu(t):  # what _gemv_serves reads of a CUDA tensor
+        return type("Cuda", (), {"is_cuda": True, "dtype": t.dtype, "shape": t.shape, "numel": t.numel})()
+
+    cuda = on_gpu(x)
+    with torch.no_grad():
+        assert patches._gemv_serves(cuda, w, 1, off)
+        assert not patches._gemv_serves(cuda, w, 1, on) and not patches._gemv_serves(cuda, w, 2, off)
+        assert not patches._gemv_serves(x, w, 1, off)  # a CPU tensor
+        assert not patches._gemv_serves(on_gpu(torch.zeros(gemv_mod.MAX_ROWS + 1, 16, dtype=x.dtype)), w, 1, off)
+    assert not patches._gemv_serves(cuda, w, 1, off)  # autograd on
+
+
 @pytest.mark.parametrize("requests, heads, kv_heads, dim, page, lengths", [
     (3, 8, 2, 32, 64, [1, 200, 0]),  # a single key, several pages, a padding row
     (1, 4, 4, 64, 128, [500]),  # one request: many splits of one tile each
