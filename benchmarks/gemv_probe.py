@@ -98,7 +98,7 @@ def main(argv=None) -> None:
                   flush=True)
         if a.sweep:
             best = None
-            grid = itertools.product((2, 4, 8, 16), (512, 1024, 2048), (4, 8), (3,))
+            grid = itertools.product((1, 2, 4), (1024, 2048, 4096), (4, 8, 16), (2, 3))
             for bn, bk, warps, stages in grid:
                 if bk > k:
                     continue

@@ -479,14 +479,14 @@ def _gpu_with_triton() -> bool:
 
 def _gemv_serves(x: torch.Tensor, weight, tp_size: int, fp8_on: Callable[[], bool]) -> bool:
     """Whether a linear layer's call is a decode-sized inference call `inference.gemv` serves: no autograd, at
-    most `gemv.MAX_ROWS` tokens, bf16 / fp16 on a GPU, a plain (not quantized) weight of x's dtype, one
+    most `gemv.SERVED_ROWS` tokens, bf16 / fp16 on a GPU, a plain (not quantized) weight of x's dtype, one
     tensor-parallel rank, no FP8 autocast (`fp8_on()`)."""
     from megatron_patch.inference import gemv
 
     return (not torch.is_grad_enabled() and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
             and type(weight) in (torch.Tensor, torch.nn.Parameter) and weight.dtype == x.dtype
             and weight.dim() == 2 and weight.stride(-1) == 1 and x.shape[-1] == weight.shape[1]
-            and 0 < x.numel() // weight.shape[1] <= gemv.MAX_ROWS and tp_size == 1 and not fp8_on())
+            and 0 < x.numel() // weight.shape[1] <= gemv.SERVED_ROWS and tp_size == 1 and not fp8_on())
 
 
 @register("decode_gemv", ">=0.18.2,<0.20")
@@ -497,7 +497,7 @@ def _decode_gemv() -> Callable[[], None] | None:
 
     Wraps the `forward` of megatron-core's `TELinear` (`TEColumnParallelLinear`, `TERowParallelLinear`),
     `TELayerNormColumnParallelLinear` (`megatron/core/extensions/transformer_engine.py`, 0.18.2 to 0.19.x) and
-    `tensor_parallel.ColumnParallelLinear` (the output layer): a call with at most `gemv.MAX_ROWS` tokens under
+    `tensor_parallel.ColumnParallelLinear` (the output layer): a call with at most `gemv.SERVED_ROWS` tokens under
     no autograd, bf16 / fp16, a plain weight, TP = 1, no FP8 autocast and (for the norm) no
     `return_layernorm_output` takes the kernel; any other call runs the original forward. The return values
     are the originals' (`(output, bias)`, the bias returned instead of added where the layer skips the bias

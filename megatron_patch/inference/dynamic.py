@@ -37,7 +37,7 @@ KV_SHARE_OF_FREE_MEMORY = 0.5
 # path creates CUDA streams, which a plain CPU process cannot); True / False: on / off wherever megatron-core has it.
 ASYNC_SCHEDULING: bool | None = None
 # Batch-1 decode's linear layers as one Triton GEMV kernel each, norms folded in (the `decode_gemv` patch,
-# `inference/gemv.py`), instead of cuBLAS's GEMM kernels and TE's norm kernel. Steps of at most `gemv.MAX_ROWS`
+# `inference/gemv.py`), instead of cuBLAS's GEMM kernels and TE's norm kernel. Steps of `gemv.SERVED_ROWS` (one)
 # tokens only, bf16 / fp16, TP = 1, no FP8. None: on where there is a GPU; True / False: on / off (off on a CPU).
 # Off by default for now: at 8B, one request, both kernels took a decode step from 6.96 to 6.31 ms (2026-12-03,
 # docs/benchmarks.md); their launch configurations and the many-request rows are measured first.

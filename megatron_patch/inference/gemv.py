@@ -19,6 +19,10 @@ from dataclasses import dataclass
 import torch
 
 MAX_ROWS = 4
+# Rows per call the decode patch hands to the kernel: it reads the weight once per row, so at 4 rows it runs at a
+# third of cuBLAS's speed (8B: 10.3 vs 4.0 ms a step's GEMMs, `gemv_probe.py --rows 4`, 2026-12-03); at one row it
+# beats cuBLAS (3.6 vs 4.0 ms).
+SERVED_ROWS = 1
 NORMS = {"RMSNorm": 1, "LayerNorm": 2}
 
 
@@ -91,10 +95,14 @@ def _kernel():
 
 
 def config_for(n: int, k: int) -> dict:
-    """Launch configuration for a weight of N rows and K columns: enough programs to fill the GPU several times
-    over, each streaming BLOCK_N rows in BLOCK_K-wide tiles."""
-    block_n = 8 if n >= 16384 else 4
-    return dict(BLOCK_N=block_n, BLOCK_K=min(1024, 1 << (k - 1).bit_length()), num_warps=4, num_stages=4)
+    """Launch configuration for a weight of N rows and K columns: one row per program (N programs fill the GPU
+    many times over at every decode shape), streamed in tiles of up to 4096 columns (the largest power of two up
+    to 4096 that divides K, for unmasked loads) by 8 warps. The best of `benchmarks/gemv_probe.py --sweep` for
+    Llama-3-8B's decode GEMMs on an H200, within 1% (docs/benchmarks.md)."""
+    block_k = min(4096, 1 << (k - 1).bit_length())
+    while block_k > 1024 and k % block_k:
+        block_k //= 2
+    return dict(BLOCK_N=1, BLOCK_K=block_k, num_warps=8, num_stages=2)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, norm: Norm | None = None,

@@ -92,7 +92,6 @@ def test_dynamic_engine_256_mixed_requests_graphs_on_equals_off(trained):
     assert same == len(prompts)
 
 
-@pytest.mark.smoke
 def _cuda_kernels(fn, *args, **kwargs) -> list[str]:
     """The names of the CUDA kernels fn(*args, **kwargs) launches (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
@@ -103,6 +102,7 @@ def _cuda_kernels(fn, *args, **kwargs) -> list[str]:
     return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
+@pytest.mark.smoke
 def test_decode_kernels_layers_and_greedy_tokens(trained, monkeypatch):
     """Issue 27: batch-1 decode's linear layers on our Triton GEMV kernel (the `decode_gemv` patch) compute what
     cuBLAS + TE's norm compute, and our split-KV decode attention (`split_kv_decode_attention`) what float64

@@ -122,7 +122,7 @@ def test_gemv_serves_only_decode_sized_plain_calls_outside_fp8():
         assert patches._gemv_serves(cuda, w, 1, off)
         assert not patches._gemv_serves(cuda, w, 1, on) and not patches._gemv_serves(cuda, w, 2, off)
         assert not patches._gemv_serves(x, w, 1, off)  # a CPU tensor
-        assert not patches._gemv_serves(on_gpu(torch.zeros(gemv_mod.MAX_ROWS + 1, 16, dtype=x.dtype)), w, 1, off)
+        assert not patches._gemv_serves(on_gpu(torch.zeros(gemv_mod.SERVED_ROWS + 1, 16, dtype=x.dtype)), w, 1, off)
     assert not patches._gemv_serves(cuda, w, 1, off)  # autograd on
 
 
