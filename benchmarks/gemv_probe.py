@@ -7,13 +7,14 @@ a whole step's chain of them, in CUDA graphs (no launch overhead) over weights t
 Per shape and implementation, one JSON row printed as soon as measured: microseconds per call, GB/s (weight
 bytes / time) and the share of --bandwidth-tb-s; `max_abs_diff` to an fp32 reference. `--sweep` also tries
 each Triton launch configuration of a small grid per shape and prints the best. The `step` rows chain every
-layer's GEMMs (QKV, attention output, FC1, FC2) and the output layer as one decode step does.
+layer's GEMMs (QKV, attention output, FC1, FC2) and the output layer as one decode step does. QKV and FC1 carry
+their RMSNorm as in the engine (TE's LayerNormLinear): a kernel of its own before cuBLAS (torch's RMSNorm), folded
+into ours (rows with `"norm": true`; the sweep tries the configurations on the layer as the engine calls it).
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import itertools
 import json
 import os
@@ -23,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from megatron_patch.inference.gemv import config_for, gemv  # noqa: E402
+from megatron_patch.inference.gemv import Norm, config_for, gemv  # noqa: E402
 
 # (name, N, K) of one layer's GEMMs, then the output layer; layers
 SHAPES = {
@@ -34,10 +35,20 @@ SHAPES = {
 }
 
 
+NORMED = ("qkv", "fc1")  # the layers whose RMSNorm the engine's linear layer applies (TE's LayerNormLinear)
+
+
+def _normed(x: torch.Tensor, norm: Norm | None) -> torch.Tensor:
+    """x through the norm as a separate kernel (torch's RMSNorm), or x."""
+    return x if norm is None else F.rms_norm(x, (x.shape[-1],), norm.weight, norm.eps)
+
+
 def impls(rows: int) -> dict:
-    """The implementations compared for calls of `rows` tokens (torch.mv takes one)."""
-    out = {"cublas": lambda x, w: F.linear(x, w), "cublas_gemv": lambda x, w: torch.mv(w, x[0])[None],
-           "triton": lambda x, w: gemv(x, w)}
+    """The implementations compared for calls of `rows` tokens (torch.mv takes one): fn(x, w, norm) with the
+    norm (None or an RMSNorm) a kernel of its own before cuBLAS, folded into ours."""
+    out = {"cublas": lambda x, w, norm: F.linear(_normed(x, norm), w),
+           "cublas_gemv": lambda x, w, norm: torch.mv(w, _normed(x, norm)[0])[None],
+           "triton": lambda x, w, norm: gemv(x, w, None, norm)}
     if rows != 1:
         del out["cublas_gemv"]
     return out
@@ -62,9 +73,9 @@ def timed(fn, reps: int) -> float:
     return start.elapsed_time(end) * 1000 / reps
 
 
-def per_call(fn, xs: torch.Tensor, ws: list[torch.Tensor], reps: int) -> float:
-    """Microseconds per call of fn(xs, w), over the copies ws in turn."""
-    return timed(lambda: [fn(xs, w) for w in ws], reps) / len(ws)
+def per_call(fn, xs: torch.Tensor, ws: list[torch.Tensor], norm: Norm | None, reps: int) -> float:
+    """Microseconds per call of fn(xs, w, norm), over the copies ws in turn."""
+    return timed(lambda: [fn(xs, w, norm) for w in ws], reps) / len(ws)
 
 
 def weights(n: int, k: int, min_bytes: int) -> list[torch.Tensor]:
@@ -84,17 +95,21 @@ def main(argv=None) -> None:
     torch.manual_seed(0)
     x = torch.randn(a.rows, max(k for _, _, k in layer + [output]), device="cuda", dtype=torch.bfloat16)
     bw = a.bandwidth_tb_s * 1e12
+    norms = {k: Norm("RMSNorm", 1 + 0.1 * torch.randn(k, device="cuda", dtype=torch.bfloat16), None, 1e-5)
+             for k in {k for _, _, k in layer + [output]}}
     for name, n, k in layer + [output]:
         ws = weights(n, k, 512 << 20)  # several copies: a call reads its weight from HBM, not from the 50 MB L2
         xs = x[:, :k].contiguous()
-        ref = (xs.float() @ ws[0].float().T)
+        norm = norms[k] if name in NORMED else None
+        ref = _normed(xs.float(), norm) @ ws[0].float().T
         for impl, fn in impls(a.rows).items():
-            diff = (fn(xs, ws[0]).float() - ref).abs().max().item()
-            us = per_call(fn, xs, ws, a.reps)
+            diff = (fn(xs, ws[0], norm).float() - ref).abs().max().item()
+            us = per_call(fn, xs, ws, norm, a.reps)
             gbs = n * k * 2 / (us * 1e-6) / 1e9
-            print(json.dumps(dict(shape=a.shape, gemm=name, n=n, k=k, rows=a.rows, impl=impl, us=round(us, 2),
-                                  gb_s=round(gbs), of_bandwidth=round(gbs * 1e9 / bw, 3),
-                                  max_abs_diff=diff, **({"config": config_for(n, k)} if impl == "triton" else {}))),
+            print(json.dumps(dict(shape=a.shape, gemm=name, n=n, k=k, rows=a.rows, norm=norm is not None, impl=impl,
+                                  us=round(us, 2), gb_s=round(gbs), of_bandwidth=round(gbs * 1e9 / bw, 3),
+                                  max_abs_diff=diff,
+                                  **({"config": config_for(n, k, norm is not None)} if impl == "triton" else {}))),
                   flush=True)
         if a.sweep:
             best = None
@@ -104,14 +119,15 @@ def main(argv=None) -> None:
                     continue
                 cfg = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
                 try:
-                    us = per_call(functools.partial(gemv, config=cfg), xs, ws, a.reps)
+                    us = per_call(lambda x, w, norm, cfg=cfg: gemv(x, w, None, norm, cfg), xs, ws, norm, a.reps)
                 except Exception as e:  # noqa: BLE001 (a configuration the compiler refuses: next)
                     print(json.dumps(dict(gemm=name, config=cfg, error=str(e).splitlines()[0][:120])), flush=True)
                     continue
                 if best is None or us < best[0]:
                     best = (us, cfg)
             us, cfg = best
-            print(json.dumps(dict(shape=a.shape, gemm=name, rows=a.rows, impl="triton_best", us=round(us, 2),
+            print(json.dumps(dict(shape=a.shape, gemm=name, rows=a.rows, norm=norm is not None, impl="triton_best",
+                                  us=round(us, 2),
                                   of_bandwidth=round(n * k * 2 / (us * 1e-6) / bw, 3), config=cfg)), flush=True)
         del ws
         torch.cuda.empty_cache()
@@ -124,9 +140,9 @@ def main(argv=None) -> None:
 
         def step(fn=fn):
             for ws in all_w:
-                for (_, _n, k), w in zip(layer, ws):
-                    fn(x[:, :k], w)
-            fn(x[:, :output[2]], out_w)
+                for (name, _n, k), w in zip(layer, ws):
+                    fn(x[:, :k], w, norms[k] if name in NORMED else None)
+            fn(x[:, :output[2]], out_w, None)
 
         us = timed(step, a.reps)
         print(json.dumps(dict(shape=a.shape, gemm="step", rows=a.rows, impl=impl, ms=round(us / 1000, 3),

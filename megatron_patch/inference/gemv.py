@@ -7,9 +7,11 @@ writes x's dtype: one kernel per linear layer.
 
 `gemv(x, weight, bias=None, norm=None)`: x [..., K] with at most `MAX_ROWS` rows in all, weight [N, K] (rows
 contiguous), bf16 or fp16 on a CUDA device (or Triton's interpreter, TRITON_INTERPRET=1, on a CPU); returns
-norm(x) @ weight.T + bias in x's dtype. `norm`: a `Norm` (RMSNorm or LayerNorm over K, computed in fp32 as
-Transformer Engine does). The launch configuration is chosen per (N, K) by `config_for` (no autotuning, so a CUDA
-graph can capture the first call)."""
+norm(x) @ weight.T + bias in x's dtype. `norm`: a `Norm` (RMSNorm or LayerNorm over K): its statistics are
+gathered in fp32 in the same pass over x as the products and applied to the sums at the end, so the normalised
+input is never rounded to x's dtype (Transformer Engine's norm kernel rounds it before its GEMM: ours is closer
+to exact arithmetic by that rounding) and x is read once. The launch configuration is chosen per (N, K) by
+`config_for` (no autotuning, so a CUDA graph can capture the first call)."""
 
 from __future__ import annotations
 
@@ -45,6 +47,8 @@ def _kernel():
                     M: tl.constexpr, NORM: tl.constexpr, ZERO_CENTERED: tl.constexpr, HAS_BIAS: tl.constexpr,
                     HAS_NORM_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     EVEN_K: tl.constexpr):
+        # One pass over x and the weight; with a norm, its statistics are gathered in the same pass and applied
+        # at the end: sum_k w (g (x - mean) rstd + b) = rstd (sum_k w g x - mean sum_k w g) + sum_k w b.
         pid = tl.program_id(0)
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
@@ -52,22 +56,11 @@ def _kernel():
         w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn
         for m in tl.static_range(M):
             x_row = x_ptr + m * stride_xm
-            mean = 0.0
-            rstd = 1.0
-            if NORM > 0:  # the row's statistics (x is K values, read from L2 by every program)
-                s1 = tl.zeros((BLOCK_K,), dtype=tl.float32)
-                s2 = tl.zeros((BLOCK_K,), dtype=tl.float32)
-                for k0 in range(0, K, BLOCK_K):
-                    k = k0 + rk
-                    xv = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
-                    s1 += xv
-                    s2 += xv * xv
-                if NORM == 2:
-                    mean = tl.sum(s1, axis=0) / K
-                    rstd = 1.0 / tl.sqrt(tl.sum(s2, axis=0) / K - mean * mean + eps)
-                else:
-                    rstd = 1.0 / tl.sqrt(tl.sum(s2, axis=0) / K + eps)
-            acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            acc = tl.zeros((BLOCK_N,), dtype=tl.float32)  # sum w x, or sum w g x with a norm
+            acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)  # LayerNorm: sum w g
+            acc_b = tl.zeros((BLOCK_N,), dtype=tl.float32)  # LayerNorm's bias: sum w b
+            s1 = tl.zeros((BLOCK_K,), dtype=tl.float32)
+            s2 = tl.zeros((BLOCK_K,), dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 k = k0 + rk
                 if EVEN_K:
@@ -77,16 +70,27 @@ def _kernel():
                     w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k[None, :] < K), other=0.0,
                                 eviction_policy="evict_first")
                     xv = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
+                w = w.to(tl.float32)
                 if NORM > 0:
                     g = tl.load(g_ptr + k, mask=k < K, other=0.0).to(tl.float32)
                     if ZERO_CENTERED:
                         g = g + 1.0
-                    xn = (xv - mean) * rstd * g
-                    if HAS_NORM_BIAS:
-                        xn += tl.load(gb_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-                    # the normalised input in x's precision, as the norm kernel would hand it to the GEMM
-                    xv = xn.to(x_ptr.dtype.element_ty).to(tl.float32)
-                acc += tl.sum(w.to(tl.float32) * xv[None, :], axis=1)
+                    s1 += xv
+                    s2 += xv * xv
+                    wg = w * g[None, :]
+                    acc += tl.sum(wg * xv[None, :], axis=1)
+                    if NORM == 2:
+                        acc_g += tl.sum(wg, axis=1)
+                        if HAS_NORM_BIAS:
+                            acc_b += tl.sum(w * tl.load(gb_ptr + k, mask=k < K, other=0.0).to(tl.float32)[None, :],
+                                            axis=1)
+                else:
+                    acc += tl.sum(w * xv[None, :], axis=1)
+            if NORM == 2:
+                mean = tl.sum(s1, axis=0) / K
+                acc = (acc - mean * acc_g) / tl.sqrt(tl.sum(s2, axis=0) / K - mean * mean + eps) + acc_b
+            elif NORM == 1:
+                acc = acc / tl.sqrt(tl.sum(s2, axis=0) / K + eps)
             if HAS_BIAS:
                 acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
             tl.store(y_ptr + m * stride_ym + rn, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
@@ -94,15 +98,16 @@ def _kernel():
     return gemv_kernel
 
 
-def config_for(n: int, k: int) -> dict:
-    """Launch configuration for a weight of N rows and K columns: one row per program (N programs fill the GPU
-    many times over at every decode shape), streamed in tiles of up to 4096 columns (the largest power of two up
-    to 4096 that divides K, for unmasked loads) by 8 warps. The best of `benchmarks/gemv_probe.py --sweep` for
-    Llama-3-8B's decode GEMMs on an H200, within 1% (docs/benchmarks.md)."""
+def config_for(n: int, k: int, norm: bool = False) -> dict:
+    """Launch configuration for a weight of N rows and K columns: one weight row per program (N programs fill
+    the GPU many times over at every decode shape), streamed in tiles of up to 4096 columns (the largest power
+    of two up to 4096 that divides K: unmasked loads), 8 warps for 4096-wide tiles, 4 below: for every Llama-3-8B
+    decode GEMM the best of `benchmarks/gemv_probe.py --sweep` on an H200 (docs/benchmarks.md). With a norm
+    folded in, every program also reads x's norm weight: two rows per program halve those reads."""
     block_k = min(4096, 1 << (k - 1).bit_length())
     while block_k > 1024 and k % block_k:
         block_k //= 2
-    return dict(BLOCK_N=1, BLOCK_K=block_k, num_warps=8, num_stages=2)
+    return dict(BLOCK_N=2 if norm else 1, BLOCK_K=block_k, num_warps=8 if block_k >= 4096 else 4, num_stages=2)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, norm: Norm | None = None,
@@ -119,7 +124,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if weight.stride(-1) != 1:
         raise ValueError("gemv: the weight's rows must be contiguous")
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    cfg = dict(config or config_for(n, k))
+    cfg = dict(config or config_for(n, k, norm is not None))
     block_n, block_k = cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
     gamma = norm.weight if norm is not None else None
     norm_bias = norm.bias if norm is not None else None
