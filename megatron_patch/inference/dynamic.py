@@ -39,12 +39,13 @@ ASYNC_SCHEDULING: bool | None = None
 # Batch-1 decode's linear layers as one Triton GEMV kernel each, norms folded in (the `decode_gemv` patch,
 # `inference/gemv.py`), instead of cuBLAS's GEMM kernels and TE's norm kernel. Steps of `gemv.SERVED_ROWS` (one)
 # tokens only, bf16 / fp16, TP = 1, no FP8. None: on where there is a GPU; True / False: on / off (off on a CPU).
-# Off by default for now: at 8B, one request, both kernels took a decode step from 6.96 to 6.31 ms (2026-12-03,
-# docs/benchmarks.md); their launch configurations and the many-request rows are measured first.
+# Off by default until a decode step with it measures faster than without (docs/benchmarks.md, issue 27: 6.96 ->
+# 6.31 ms at 8B, one request, on 2026-12-03; then 6.30 -> 7.37 ms with its two-pass norm, fixed since, unmeasured).
 DECODE_GEMV: bool | None = False
 # Decode-only steps' attention on our split-KV Triton kernels (the `split_kv_decode_attention` patch,
 # `inference/decode_attention.py`) instead of FlashAttention-4, which cannot split the key length on Hopper.
-# None: on where there is a GPU; True / False: on / off (off on a CPU). Off by default for now, as above.
+# None: on where there is a GPU; True / False: on / off (off on a CPU). It pays at 8B with 1 and 32 requests
+# (6.96 -> 6.67, 7.74 -> 7.53 ms a step); off by default until the GPU suite's generation tests run with it on.
 DECODE_ATTENTION: bool | None = False
 
 
