@@ -72,6 +72,9 @@ RUNS: dict[str, tuple[str, str, list[str], dict[str, str]]] = {
     "bf16 +graph-full": ("bf16", "benchmark", [*GRAPHS, "full_iteration", "--te-rng-tracker"], {}),
     "bf16 +precision-aware-opt": ("bf16", "default", ["--use-precision-aware-optimizer"], {}),
     "bf16 mbs2": ("bf16", "default", ["@mbs2"], {}),
+    # TE's FlashAttention backend (flash-attn v2 / v3, or v4 where TE takes it: `stage_wheels.sh fa4`) instead of
+    # cuDNN's fused attention, whose backward is 3x its forward at 8B (docs/benchmarks.md, ninth session)
+    "bf16 +flash-attn": ("bf16", "default", ["--attention-backend", "flash"], {}),
     # issue 29: HybridModel against GPTModel, LoRA against full training (same shape, same run)
     "bf16 +hybrid": ("bf16", "default", ["--model-class", "hybrid"], {}),
     "bf16 +lora": ("bf16", "default", ["@hf-base", "--lora-rank", "16", "--lora-alpha", "32"], {}),
@@ -83,6 +86,7 @@ RUNS: dict[str, tuple[str, str, list[str], dict[str, str]]] = {
     "fp8 blockwise": ("fp8", "default", ["--fp8-recipe", "blockwise"], {}),
     "fp8 +grad-reduce-bf16": ("fp8", "default", ["--grad-reduce-in-bf16"], {}),
     "fp8 +param-gather": ("fp8", "default", ["--fp8-param-gather"], {}),
+    "fp8 +flash-attn": ("fp8", "default", ["--attention-backend", "flash"], {}),
     "fp8 +cudnn-norm": ("fp8", "default", [], {"NVTE_NORM_FWD_USE_CUDNN": "1", "NVTE_NORM_BWD_USE_CUDNN": "1"}),
     "fp8 +graph-te": ("fp8", "benchmark", [*GRAPHS, "transformer_engine"], {}),
     "fp8 +graph-full": ("fp8", "benchmark", [*GRAPHS, "full_iteration", "--te-rng-tracker"], {}),

@@ -311,3 +311,12 @@ def test_loss_references_are_measured_first():
     assert all(r is None or r in tb.RUNS for r in map(tb.loss_reference, tb.RUNS))
     assert tb.with_references(["bf16 +hybrid", "bf16 +lora", "fp8"]) == \
         ["bf16 none", "bf16", "bf16 +hybrid", "bf16 +lora", "fp8 none", "fp8"]
+
+
+def test_flash_attention_rows_override_the_automatic_backend():
+    """The `+flash-attn` ablation rows: Megatron reads the last `--attention-backend`, which must be theirs."""
+    runs = ["bf16 +flash-attn", "fp8 +flash-attn", "bf16"]
+    for run, cmd in zip(runs, _dry_run("--torchtitan", "none", "--hf", "none", "--shapes", "8b", "--runs", *runs),
+                        strict=True):
+        backends = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--attention-backend"]
+        assert backends[-1] == ("flash" if "flash-attn" in run else "auto"), (run, backends)
