@@ -2,7 +2,8 @@
 speed with CUDA graphs on and off, and (--profile) where a decode step's time goes.
 
     python benchmarks/engine_probe.py [--shape 1b] [--requests 1 32] [--graphs on off] [--sched legacy async] \\
-        [--gemv on attn off] [--new 64] [--profile DIR [--profile-requests 1 32] [--profile-steps 6]]
+        [--gemv on attn off] [--sampling-sync on off] [--new 64] \\
+        [--profile DIR [--profile-requests 1 32] [--profile-steps 6]]
     python benchmarks/engine_probe.py --shape tiny --device cpu --impl local --dtype fp32 --graphs off \\
         --requests 1 2 --new 4 --min-prompt 4 --max-prompt 12 --repeat 1          # the logic, on a CPU
 
@@ -19,7 +20,9 @@ step k, so the host's bookkeeping overlaps the GPU; `dynamic.ASYNC_SCHEDULING`),
 `tokens_vs_legacy`. --gemv on / attn / off: our decode kernels (a GPU only): batch-1 decode's linear layers on
 the Triton GEMV kernel instead of cuBLAS (`dynamic.DECODE_GEMV`) and decode attention on the split-KV kernels
 instead of FA4 (`dynamic.DECODE_ATTENTION`): both, the attention only, or neither; one set of rows each, with
-`tokens_vs_kernels_off`.
+`tokens_vs_kernels_off`. --sampling-sync on / off: megatron-core's sampling, which synchronises the stream every
+step (a blocking host-to-device copy), or ours without it (`dynamic.SAMPLING_NO_SYNC`; exact, so a CPU runs it
+too); one set of rows each, with `tokens_vs_sampling_sync`.
 A configuration that fails gives a row with `error` (the traceback on stderr) and the next
 one runs. A new engine is built for every row (`release_engine` between rows).
 
@@ -101,41 +104,47 @@ def set_sched(sched: str) -> None:
     dynamic.ASYNC_SCHEDULING = sched == "async"
 
 
-def set_kernels(kernels: str) -> None:
+def set_kernels(kernels: str, sampling_sync: str = "on") -> None:
     """Our decode kernels for the engines built from now on (--gemv): on = GEMV and split-KV attention, attn = the
-    attention only, off = neither."""
+    attention only, off = neither; and megatron-core's per-step stream synchronisation in sampling
+    (--sampling-sync): on = megatron-core's sampling, off = ours without it (dynamic.SAMPLING_NO_SYNC)."""
     from megatron_patch.inference import dynamic
 
     dynamic.DECODE_GEMV, dynamic.DECODE_ATTENTION = kernels == "on", kernels in ("on", "attn")
+    dynamic.SAMPLING_NO_SYNC = sampling_sync == "off"
 
 
 def measure(a, model, prompts, graphs: bool, timer: Timer, bound_ms: float, seen: dict, sched: str = "legacy",
-            gemv: str = "on") -> dict:
-    """One row; `seen` keeps each (requests, graphs, sched, kernels)'s tokens, compared with the other graphs
-    setting's, with legacy scheduling's and with our decode kernels off (`gemv`: on, off or attn: only the
-    split-KV attention; on: both)."""
+            gemv: str = "on", sync: str = "on") -> dict:
+    """One row; `seen` keeps each (requests, graphs, sched, kernels, sampling sync)'s tokens, compared with the
+    other graphs setting's, with legacy scheduling's, with our decode kernels off (`gemv`: on, off or attn: only
+    the split-KV attention; on: both) and with megatron-core's sampling (`sync` on)."""
     from megatron_patch.inference import dynamic
     from megatron_patch.inference.dynamic import release_engine
 
     row = {"shape": a.shape, "requests": len(prompts), "cuda_graphs": graphs, "sched": sched, "new": a.new}
     try:
         set_sched(sched)
-        set_kernels(gemv)
+        set_kernels(gemv, sync)
         row["gemv"], row["split_kv_attention"] = dynamic.wanted(dynamic.DECODE_GEMV), dynamic.wanted(
             dynamic.DECODE_ATTENTION)
+        row["sampling_sync"] = not dynamic.SAMPLING_NO_SYNC
         timer.sync()
         t = time.perf_counter()
         out = call(model, prompts, a.new, graphs)  # builds the engine (and captures its graphs)
         timer.sync()
         row["build_s"] = round(time.perf_counter() - t, 2)
         n = len(prompts)
-        if (n, not graphs, sched, gemv) in seen:
-            row["tokens_vs_graphs_" + ("off" if graphs else "on")] = agreement(out, seen[n, not graphs, sched, gemv])
-        if sched != "legacy" and (n, graphs, "legacy", gemv) in seen:
-            row["tokens_vs_legacy"] = agreement(out, seen[n, graphs, "legacy", gemv])
-        if gemv != "off" and (n, graphs, sched, "off") in seen:
-            row["tokens_vs_kernels_off"] = agreement(out, seen[n, graphs, sched, "off"])
-        seen[n, graphs, sched, gemv] = out
+        if (n, not graphs, sched, gemv, sync) in seen:
+            row["tokens_vs_graphs_" + ("off" if graphs else "on")] = agreement(out, seen[n, not graphs, sched, gemv,
+                                                                                      sync])
+        if sched != "legacy" and (n, graphs, "legacy", gemv, sync) in seen:
+            row["tokens_vs_legacy"] = agreement(out, seen[n, graphs, "legacy", gemv, sync])
+        if gemv != "off" and (n, graphs, sched, "off", sync) in seen:
+            row["tokens_vs_kernels_off"] = agreement(out, seen[n, graphs, sched, "off", sync])
+        if sync == "off" and (n, graphs, sched, gemv, "on") in seen:
+            row["tokens_vs_sampling_sync"] = agreement(out, seen[n, graphs, sched, gemv, "on"])
+        seen[n, graphs, sched, gemv, sync] = out
         seconds, peak = timer(lambda: call(model, prompts, a.new, graphs))
         one, _ = timer(lambda: call(model, prompts, 1, graphs))  # the same engine (its plan covers this one)
         row.update(seconds=round(seconds, 4), tokens_per_s=round(len(prompts) * a.new / seconds, 1),
@@ -263,6 +272,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "kernel (dynamic.DECODE_GEMV) and decode attention on the split-KV kernels "
                          "(dynamic.DECODE_ATTENTION); attn = the attention only; off = neither. One set of rows "
                          "each, `tokens_vs_kernels_off` where off ran too")
+    ap.add_argument("--sampling-sync", nargs="+", choices=["on", "off"], default=["on"],
+                    help="on = megatron-core's sampling, which synchronises the stream every step; off = the "
+                         "sampling_without_stream_sync patch (dynamic.SAMPLING_NO_SYNC). One set of rows "
+                         "each, `tokens_vs_sampling_sync` where on ran too")
     ap.add_argument("--profile", metavar="DIR", help="also write profiler traces and summaries here")
     ap.add_argument("--profile-requests", type=int, nargs="+", default=[1], help="requests of the profiled runs")
     ap.add_argument("--profile-steps", type=int, default=6, help="engine steps traced")
@@ -292,17 +305,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
     timer, rows, seen = Timer(a.device, a.repeat), [], {}
     from megatron_patch.inference import dynamic
 
-    defaults = dynamic.ASYNC_SCHEDULING, dynamic.DECODE_GEMV, dynamic.DECODE_ATTENTION
+    defaults = dynamic.ASYNC_SCHEDULING, dynamic.DECODE_GEMV, dynamic.DECODE_ATTENTION, dynamic.SAMPLING_NO_SYNC
     for sched in a.sched:
         for gemv in a.gemv:
-            for graphs in ([] if a.skip_rows else a.graphs):
-                for n in a.requests:
-                    rows.append(measure(a, model, prompts[:n], graphs == "on", timer, bound_ms, seen, sched, gemv))
-                    print(json.dumps(rows[-1]), flush=True)
-    dynamic.ASYNC_SCHEDULING, dynamic.DECODE_GEMV, dynamic.DECODE_ATTENTION = defaults
+            for sync in a.sampling_sync:
+                for graphs in ([] if a.skip_rows else a.graphs):
+                    for n in a.requests:
+                        rows.append(measure(a, model, prompts[:n], graphs == "on", timer, bound_ms, seen, sched,
+                                            gemv, sync))
+                        print(json.dumps(rows[-1]), flush=True)
+    dynamic.ASYNC_SCHEDULING, dynamic.DECODE_GEMV, dynamic.DECODE_ATTENTION, dynamic.SAMPLING_NO_SYNC = defaults
     if a.profile:
         os.makedirs(a.profile, exist_ok=True)
-        set_kernels(a.gemv[0])
+        set_kernels(a.gemv[0], a.sampling_sync[0])
         for sched in a.sched:
             for n in a.profile_requests:
                 try:
@@ -311,7 +326,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     traceback.print_exc()
                     print(json.dumps({"profile": n, "sched": sched, "error": f"{type(e).__name__}: {str(e)[:300]}"}),
                           flush=True)
-    dynamic.ASYNC_SCHEDULING, dynamic.DECODE_GEMV, dynamic.DECODE_ATTENTION = defaults  # the probe leaves them
+    dynamic.ASYNC_SCHEDULING, dynamic.DECODE_GEMV, dynamic.DECODE_ATTENTION, dynamic.SAMPLING_NO_SYNC = defaults
     return rows
 
 

@@ -596,3 +596,49 @@ def _split_kv_decode_attention() -> Callable[[], None] | None:
                         block_table, is_decode_only, **extra)
 
     return _swap([(attention.Attention, "flash_decode_and_prefill", flash_decode_and_prefill)])
+
+
+@register("sampling_without_stream_sync", ">=0.18.2,<0.20")
+def _sampling_without_stream_sync() -> Callable[[], None] | None:
+    """The dynamic engine's sampling without a stream synchronisation per step, so that asynchronous scheduling
+    overlaps the host's work for step k+1 with the GPU's step k as it means to.
+
+    `TorchSampling.sample_kernel` (`megatron/core/inference/sampling/torch_sampling.py`, 0.18.2 to 0.19.x) groups
+    the active requests by (temperature, top_k, top_p) and makes each group's row indices with
+    `torch.tensor(indices, device=cuda)`: a blocking host-to-device copy, which waits for everything queued on
+    the stream, i.e. the whole decode step in flight (8B, one request: 5.1 ms of the host's 5.4 ms a step inside
+    that call; then the GPU waits ~0.5-1 ms for the host's next step; docs/benchmarks.md, issue 27). When every
+    active request samples alike (one group: greedy, or one setting for the whole call, which is what
+    `megatron_patch.inference.generate` submits) the group is rows 0..n-1: this wrapper samples `logits[:n]` with
+    the same `sample_from_logits` call (the same generator draws) and writes `output[:n]`, which is what the
+    original computes, without the index tensor. Several groups, the speculative path (`token_to_request_index`)
+    and positional extras run the original. Applied by the dynamic engine (`inference.dynamic.SAMPLING_NO_SYNC`)."""
+    try:
+        from megatron.core.inference.sampling import torch_sampling
+    except ImportError:
+        return None
+    sampler = torch_sampling.TorchSampling
+    original = sampler.sample_kernel
+
+    @functools.wraps(original)
+    def sample_kernel(self, logits, n, context, *args, **kwargs):
+        gather, output = kwargs.get("gather_indices"), kwargs.get("output")
+        active = context.total_request_count - context.paused_request_count
+        if args or kwargs.get("token_to_request_index") is not None or not 0 < active <= n:
+            return original(self, logits, n, context, *args, **kwargs)
+        md = context.active_request_metadata
+        groups = set(zip(md["temperature"][:active].tolist(), md["top_k"][:active].tolist(),
+                         md["top_p"][:active].tolist()))
+        if len(groups) != 1:
+            return original(self, logits, n, context, *args, **kwargs)
+        (temperature, top_k, top_p), = groups
+        if gather is not None:
+            logits = logits[gather[:n], :]
+        tokens = sampler.sample_from_logits(logits[:active], temperature, top_k, top_p, generator=self._rng,
+                                            vocab_size=self._vocab_size)
+        if output is None:
+            output = torch.empty(n, device=logits.device, dtype=torch.int64)
+        output[:active] = tokens
+        return output
+
+    return _swap([(sampler, "sample_kernel", sample_kernel)])

@@ -47,6 +47,11 @@ DECODE_GEMV: bool | None = False
 # None: on where there is a GPU; True / False: on / off (off on a CPU). It pays at 8B with 1 and 32 requests
 # (6.96 -> 6.67, 7.74 -> 7.53 ms a step); off by default until the GPU suite's generation tests run with it on.
 DECODE_ATTENTION: bool | None = False
+# Sampling without megatron-core's per-step stream synchronisation when every request samples alike (the
+# `sampling_without_stream_sync` patch): asynchronous scheduling then overlaps the host's next step with the GPU's.
+# Exact (the same tokens and generator draws, tested against the original), so it runs on a CPU too (where
+# nothing waits: the CPU tests run the engine with it). Off by default until measured on the GPU.
+SAMPLING_NO_SYNC: bool = False
 
 
 def default_max_requests() -> int:
@@ -200,7 +205,8 @@ def generate_dynamic(model, tokenizer, prompts: list[list[int]], sampling: Sampl
         _require_einops()
         plan = plan_engine(model, prompts, sampling.max_new_tokens, max_requests, kv_cache_gb, cuda_graphs)
         with (patches.applied("decode_gemv") if plan.decode_gemv else contextlib.nullcontext(),
-              patches.applied("split_kv_decode_attention") if plan.decode_attention else contextlib.nullcontext()):
+              patches.applied("split_kv_decode_attention") if plan.decode_attention else contextlib.nullcontext(),
+              patches.applied("sampling_without_stream_sync") if SAMPLING_NO_SYNC else contextlib.nullcontext()):
             engine = _Engines.get(model, tokenizer, plan)
             return _run(engine, tokenizer, prompts, sampling, on_tokens)
 

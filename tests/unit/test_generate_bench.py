@@ -100,8 +100,9 @@ def test_hf_static_compile_row_says_whether_it_compiled(tmp_path, cpu_megatron, 
 
 
 def test_engine_probe_at_the_tiny_shape_on_cpu(tmp_path, cpu_megatron, capsys):
-    """benchmarks/engine_probe.py's whole logic on a CPU: one row per (scheduling, requests) with every token
-    produced (the script asserts it), async scheduling's greedy tokens equal legacy's, and a profile per
+    """benchmarks/engine_probe.py's whole logic on a CPU: one row per (scheduling, sampling sync) with every token
+    produced (the script asserts it), async scheduling's greedy tokens equal legacy's, the sampling patch's equal
+    megatron-core's sampling's, and a profile per
     scheduling whose host-function table counts the engine's steps (a prefill step and a decode step per later
     token; async scheduling may launch one more) and lists --top functions by own time."""
     import pytest
@@ -119,13 +120,17 @@ def test_engine_probe_at_the_tiny_shape_on_cpu(tmp_path, cpu_megatron, capsys):
         sys.path.pop(0)
     new = 12
     rows = engine_probe.main(["--shape", "tiny", "--device", "cpu", "--impl", "local", "--dtype", "fp32",
-                              "--graphs", "off", "--sched", "legacy", "async", "--requests", "2", "--new",
+                              "--graphs", "off", "--sched", "legacy", "async", "--sampling-sync", "on", "off",
+                              "--requests", "2", "--new",
                               str(new), "--min-prompt", "4", "--max-prompt", "12", "--repeat", "1",
                               "--profile", str(tmp_path), "--profile-steps", "2", "--top", "40"])
     timed = [r for r in rows if "requests" in r]
-    assert [(r["sched"], r["requests"]) for r in timed] == [("legacy", 2), ("async", 2)]
+    assert [(r["sched"], r["sampling_sync"]) for r in timed] == [("legacy", True), ("legacy", False),
+                                                                  ("async", True), ("async", False)]
     assert all("error" not in r for r in rows), rows
-    assert timed[1]["tokens_vs_legacy"] == {"identical": 1.0, "mean_common_prefix": new}
+    same = {"identical": 1.0, "mean_common_prefix": new}
+    assert timed[2]["tokens_vs_legacy"] == timed[3]["tokens_vs_legacy"] == same
+    assert timed[1]["tokens_vs_sampling_sync"] == timed[3]["tokens_vs_sampling_sync"] == same
     profiles = [r for r in rows if "config" in r]
     assert [p["config"] for p in profiles] == ["n1_graphs_off_legacy", "n1_graphs_off_async"]
     for p in profiles:
@@ -134,4 +139,4 @@ def test_engine_probe_at_the_tiny_shape_on_cpu(tmp_path, cpu_megatron, capsys):
         own = [f["own_ms"] for f in table]
         assert len(table) == 40 and own == sorted(own, reverse=True) and all(f["calls"] > 0 for f in table)
         assert (tmp_path / f"summary_{p['config']}.json").exists()
-    assert dynamic.ASYNC_SCHEDULING is default  # the probe leaves the default behind
+    assert dynamic.ASYNC_SCHEDULING is default and dynamic.SAMPLING_NO_SYNC is False  # the defaults left behind

@@ -1,6 +1,9 @@
 """The runtime patch registry and its CPU patches (`cpu_cuda_calls`, `cpu_parallel_state`, `cpu_training`,
 `paged_attention_in_torch`)."""
 
+import contextlib
+import inspect
+
 import pytest
 import torch
 
@@ -237,3 +240,51 @@ def test_with_flash_attn_only_fp32_attends_in_torch(monkeypatch):
         assert not patches.attends_in_torch(torch.bfloat16) and patches.attends_in_torch(torch.float32)
     assert calls == [("flash", torch.bfloat16), ("flash", torch.float16), ("torch", torch.float32)]
     assert attention.Attention.flash_decode_and_prefill is flash
+
+
+class _Context:
+    """What TorchSampling.sample_kernel reads of megatron-core's DynamicInferenceContext."""
+
+    def __init__(self, temperature, top_k, top_p, paused=0):
+        self.total_request_count, self.paused_request_count = len(temperature) + paused, paused
+        self.active_request_metadata = {"temperature": torch.tensor(temperature, dtype=torch.float32),
+                                        "top_k": torch.tensor(top_k, dtype=torch.int32),
+                                        "top_p": torch.tensor(top_p, dtype=torch.float32)}
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p, gather", [
+    ([1.0] * 3, [1] * 3, [0.0] * 3, False),  # greedy: one group
+    ([0.7] * 4, [5] * 4, [0.0] * 4, True),  # one sampling setting, gathered rows: the same generator draws
+    ([1.0, 0.7, 1.0], [1, 5, 1], [0.0, 0.0, 0.0], False),  # two groups: the original runs
+])
+def test_sampling_without_stream_sync_samples_what_the_original_does(monkeypatch, temperature, top_k, top_p,
+                                                                     gather):
+    """The patched sample_kernel returns the original's tokens (and leaves its generator where the original
+    does) without building index tensors on the device when every request samples alike."""
+    from megatron.core.inference.sampling.torch_sampling import TorchSampling
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")  # the original's index tensors, on a CPU
+    n, vocab = len(temperature), 50
+    logits = torch.randn(n + 2, vocab, generator=torch.Generator().manual_seed(0))
+    kwargs = {"gather_indices": torch.tensor([n + 1, *range(n - 1), n])} if gather else {}
+    if "no_top_k" in inspect.signature(TorchSampling.sample_kernel).parameters:  # 0.19 on
+        kwargs.update(no_top_k=not any(top_k), no_top_p=not any(top_p))
+    outs, states, index_tensors = [], [], []
+    make_tensor = torch.tensor
+
+    def counted(*args, **kw):  # the index tensors the original makes on the device (here: "cpu")
+        index_tensors[-1] += "device" in kw
+        return make_tensor(*args, **kw)
+
+    for patched in (False, True):
+        rng, context = torch.Generator().manual_seed(1), _Context(temperature, top_k, top_p)
+        index_tensors.append(0)
+        with (patches.applied("sampling_without_stream_sync") if patched else contextlib.nullcontext(),
+              monkeypatch.context() as m):
+            m.setattr(torch, "tensor", counted)
+            outs.append(TorchSampling(rng, vocab).sample_kernel(logits, n, context, **kwargs))
+        states.append(rng.get_state())
+    assert torch.equal(outs[0], outs[1]) and torch.equal(states[0], states[1]), outs
+    groups = len(set(zip(temperature, top_k, top_p)))
+    assert index_tensors == [groups, 0 if groups == 1 else groups], index_tensors
+    assert not patches.is_active("sampling_without_stream_sync")
