@@ -609,10 +609,11 @@ def _sampling_without_stream_sync() -> Callable[[], None] | None:
     the stream, i.e. the whole decode step in flight (8B, one request: 5.1 ms of the host's 5.4 ms a step inside
     that call; then the GPU waits ~0.5-1 ms for the host's next step; docs/benchmarks.md, issue 27). When every
     active request samples alike (one group: greedy, or one setting for the whole call, which is what
-    `megatron_patch.inference.generate` submits) the group is rows 0..n-1: this wrapper samples `logits[:n]` with
-    the same `sample_from_logits` call (the same generator draws) and writes `output[:n]`, which is what the
-    original computes, without the index tensor. Several groups, the speculative path (`token_to_request_index`)
-    and positional extras run the original. Applied by the dynamic engine (`inference.dynamic.SAMPLING_NO_SYNC`)."""
+    `megatron_patch.inference.generate` submits) the group is the active rows 0..a-1: this wrapper samples
+    `logits[:a]` with the same `sample_from_logits` call (the same generator draws) and writes `output[:a]`, which
+    is what the original computes, without the index tensor. Several groups, the speculative path
+    (`token_to_request_index`) and positional extras run the original. Applied by the dynamic engine
+    (`inference.dynamic.SAMPLING_NO_SYNC`)."""
     try:
         from megatron.core.inference.sampling import torch_sampling
     except ImportError:
