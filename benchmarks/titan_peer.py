@@ -179,6 +179,8 @@ def measure(s: dict, vocab: int, run: str, iters: int, micro_batches: int) -> di
                 sync()
                 times.append(time.perf_counter() - t)
             peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+            # after train_step (which zeroes the gradients first): weights, gradients, optimizer state
+            resident = torch.cuda.memory_allocated() / 2**30 if cuda else None
         except Exception as e:  # e.g. out of memory or a compile failure: a row saying so
             return {"error": f"{type(e).__name__}: {e}"[-2000:]}
         finally:
@@ -187,7 +189,8 @@ def measure(s: dict, vocab: int, run: str, iters: int, micro_batches: int) -> di
             if torch.distributed.is_initialized():
                 torch.distributed.destroy_process_group()
     half = sorted(times[len(times) // 2:])
-    return {"s_per_iter": half[len(half) // 2], "peak_gb": peak, "samples": micro_batches * s["mbs"]}
+    return {"s_per_iter": half[len(half) // 2], "peak_gb": peak, "resident_gb": resident,
+            "samples": micro_batches * s["mbs"]}
 
 
 def run(s: dict, vocab: int, name: str, iters: int, micro_batches: int) -> dict:

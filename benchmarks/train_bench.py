@@ -23,11 +23,13 @@ its TFLOP/s overstates the work a LoRA step does: compare tokens/s and memory).
 
 Measured: the median step time over the second half of the iterations (the first half is warm-up),
 tokens/s (the headline), TFLOP/s by Megatron's formula (`megatron.training.training.
-num_floating_point_operations`: causal attention and the output layer counted) for every side, and peak GPU
-memory. `--losses N` also runs N iterations of each of our runs from the same seed and reports the largest
-loss difference to its reference run: the same-precision `none` run (tuned settings must train the same, up to
-bf16 noise), or the run LOSS_REFERENCE names (`+hybrid`: GPTModel at the same settings; HybridModel must train
-as GPTModel does). LoRA runs have none (they train other weights).
+num_floating_point_operations`: causal attention and the output layer counted) for every side, peak GPU
+memory and resident memory (allocated at the end of an optimizer step: weights, gradients, optimizer state;
+ours from Megatron's memory report after iteration 2, with the optimizer state in it). `--losses N` also runs N
+iterations of each of our runs from the same seed and reports the largest loss difference to its reference run:
+the same-precision `none` run (tuned settings must train the same, up to bf16 noise), or the run LOSS_REFERENCE
+names (`+hybrid`: GPTModel at the same settings; HybridModel must train as GPTModel does). LoRA runs have none
+(they train other weights).
 `--trace RUN` records a PyTorch profiler trace of that run's iterations 6-7 and prints where the time goes
 (`benchmarks/trace_summary.py`).
 """
@@ -260,6 +262,7 @@ def run_pretrain(cmd: list[str], env: dict[str, str]) -> dict:
     batch = list(log.series("global batch size").values())
     return {"s_per_iter": log.median("elapsed time per iteration (ms)", 0.5) / 1000,
             "peak_gb": max(log.max_allocated_mb) / 1024 if log.max_allocated_mb else None,
+            "resident_gb": log.allocated_mb[-1] / 1024 if log.allocated_mb else None,
             "samples": int(batch[-1]) if batch else None, "losses": list(log.series("lm loss").values())}
 
 
@@ -282,7 +285,7 @@ def hf(shape: str, variant: str, iters: int, micro_batches: int) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     ids = torch.randint(0, VOCAB, (s["mbs"], s["seq"]), device="cuda")
     torch.cuda.reset_peak_memory_stats()
-    times = []
+    times, resident = [], None
     try:
         for _ in range(iters):
             torch.cuda.synchronize()
@@ -290,6 +293,7 @@ def hf(shape: str, variant: str, iters: int, micro_batches: int) -> dict:
             for _ in range(micro_batches):
                 (step_model(input_ids=ids, labels=ids).loss / micro_batches).backward()
             opt.step()
+            resident = torch.cuda.memory_allocated() / 2**30  # weights, gradients, optimizer state
             opt.zero_grad(set_to_none=True)
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t)
@@ -300,7 +304,8 @@ def hf(shape: str, variant: str, iters: int, micro_batches: int) -> dict:
         del model, step_model, opt
         torch.cuda.empty_cache()
     half = sorted(times[len(times) // 2:])
-    return {"s_per_iter": half[len(half) // 2], "peak_gb": peak, "samples": micro_batches * s["mbs"]}
+    return {"s_per_iter": half[len(half) // 2], "peak_gb": peak, "resident_gb": resident,
+            "samples": micro_batches * s["mbs"]}
 
 
 def loss_difference(losses: list[float], reference: list[float], n: int) -> float | None:
@@ -329,13 +334,16 @@ def versions() -> dict:
 
 def table_row(shape: str, name: str, r: dict, flops: float, gpus: int, hf_rate: float | None) -> dict:
     """One row of the table from a side's result (`s_per_iter` for `samples` samples of the shape's `seq`
-    tokens, `peak_gb`): tokens/s over all GPUs, TFLOP/s per GPU by Megatron's count (`flops` per sample, the
-    same for every side), and the per-GPU rate relative to HF's."""
+    tokens, `peak_gb`, `resident_gb`): tokens/s over all GPUs, TFLOP/s per GPU by Megatron's count (`flops` per
+    sample, the same for every side), the per-GPU rate relative to HF's, peak memory and (where measured) the
+    memory held at the end of an optimizer step: weights, gradients and optimizer state, so that peak − resident
+    is what the activations and workspaces of a micro-batch took."""
     rate = r["samples"] * SHAPES[shape]["seq"] / r["s_per_iter"]  # tokens/s
     return {"shape": shape, "run": name, "gpus": gpus, "tokens_per_s": round(rate),
             "tflops_per_gpu": round(flops * r["samples"] / r["s_per_iter"] / 1e12 / gpus, 1),
             "vs_hf": round(rate / gpus / hf_rate, 3) if hf_rate else None,  # per GPU
-            "peak_gb": round(r["peak_gb"], 1) if r.get("peak_gb") else None}
+            "peak_gb": round(r["peak_gb"], 1) if r.get("peak_gb") else None,
+            **({"resident_gb": round(r["resident_gb"], 1)} if r.get("resident_gb") else {})}
 
 
 class ShapeRows:
@@ -359,6 +367,8 @@ class ShapeRows:
                 self.hf_rate, row["vs_hf"] = row["tokens_per_s"], 1.0
             if "titan_log" in result:  # torchtitan's own last log line (its tokens/s and MFU)
                 row["torchtitan_log"] = result["titan_log"]
+            if self.losses and result.get("losses"):  # shown, so a difference can be read (where runs part)
+                row["losses"] = [round(v, 4) for v in result["losses"][:self.losses]]
             reference = loss_reference(name[5:]) if name.startswith("ours ") else None
             if self.losses and reference not in (None, name[5:]):
                 ref = self.results.get(f"ours {reference}", {}).get("losses", [])
@@ -438,14 +448,15 @@ def main() -> None:
           f"TE {meta.get('transformer_engine')}, transformers {meta.get('transformers')}, "
           f"torchtitan {meta.get('torchtitan')}; "
           f"{a.micro_batches} micro-batches per step")
-    print("| shape | run | tokens/s | TFLOP/s per GPU | × HF | peak GB | max Δloss (vs) |")
-    print("|---|---|---|---|---|---|---|")
+    print("| shape | run | tokens/s | TFLOP/s per GPU | × HF | peak GB | resident GB | max Δloss (vs) |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['shape']} | {r['run']} | error: {r['error'].splitlines()[-1] if r['error'] else ''} | | | | |")
+            last = r["error"].splitlines()[-1] if r["error"] else ""
+            print(f"| {r['shape']} | {r['run']} | error: {last} | | | | | |")
         else:
             print(f"| {r['shape']} | {r['run']} | {r['tokens_per_s']:,} | {r['tflops_per_gpu']} | {r['vs_hf']} | "
-                  f"{r['peak_gb']} | {_loss_cell(r)} |")
+                  f"{r['peak_gb']} | {r.get('resident_gb', '')} | {_loss_cell(r)} |")
     print(json.dumps({"meta": meta, "rows": rows}))
 
 

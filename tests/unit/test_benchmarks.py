@@ -185,6 +185,10 @@ def test_table_row_counts_megatron_flops_for_every_side():
     two = tb.table_row("8b-full", "ours fp8 dp2", {"s_per_iter": 2.0, "samples": 16, "peak_gb": None},
                        tb.flops_per_sample("8b-full"), 2, 30000.0)
     assert two["tokens_per_s"] == 65536 and two["vs_hf"] == round(32768 / 30000, 3) and two["peak_gb"] is None
+    assert "resident_gb" not in two  # measured where the side reports it
+    held = tb.table_row("8b", "hf", {"s_per_iter": 2.0, "samples": 8, "peak_gb": 45.1, "resident_gb": 20.84}, flops, 1,
+                        None)
+    assert (held["peak_gb"], held["resident_gb"]) == (45.1, 20.8)
 
 
 def _fake_torchtitan(root, init: str, modules: dict[str, str] | None = None) -> None:
@@ -240,15 +244,20 @@ def test_stage_wheels_without_names_is_one_error_line(tmp_path):
 
 def test_run_pretrain_reads_the_log_with_the_shared_parser():
     """train_bench.run_pretrain: the median step time of the second half of the iterations, the peak memory
-    report, the global batch and every loss, from Megatron's printed log (megatron_patch.training.log)."""
+    report, the memory held after the second iteration (resident: weights, gradients, optimizer state), the global
+    batch and every loss, from Megatron's printed log (megatron_patch.training.log)."""
     import train_bench as tb
 
     lines = [f" [t] iteration {i}/ 6 | elapsed time per iteration (ms): {ms} | global batch size: 8 | "
              f"lm loss: {10 - i}.0 |" for i, ms in enumerate([900, 800, 520, 500, 510, 530], 1)]
-    lines.append("[Rank 0] memory (MB) | allocated: 1.0 | max allocated: 61440.00 | reserved: 2.0")
+    # Megatron reports memory after iterations 1 and 2; the second holds the optimizer state: the resident figure
+    lines.append("[Rank 0] (after 1 iterations) memory (MB) | allocated: 1.0 | max allocated: 61440.00 | reserved: 2.0")
+    lines.append("[Rank 0] (after 2 iterations) memory (MB) | allocated: 30720.00 | max allocated: 61440.00 | "
+                 "reserved: 2.0")
     cmd = [sys.executable, "-c", f"print({chr(10).join(lines)!r})"]
     row = tb.run_pretrain(cmd, dict(os.environ))
-    assert row == {"s_per_iter": 0.51, "peak_gb": 60.0, "samples": 8, "losses": [9.0, 8.0, 7.0, 6.0, 5.0, 4.0]}
+    assert row == {"s_per_iter": 0.51, "peak_gb": 60.0, "resident_gb": 30.0, "samples": 8,
+                   "losses": [9.0, 8.0, 7.0, 6.0, 5.0, 4.0]}
     assert "error" in tb.run_pretrain([sys.executable, "-c", "print(' iteration 1/ 2 | lm loss: 1.0 |')"],
                                       dict(os.environ))
 
@@ -295,6 +304,7 @@ def test_rows_are_printed_as_measured(capsys):
     assert rows[2]["max_loss_diff"] == pytest.approx(0.001, abs=1e-9) and rows[2]["loss_reference"] == "bf16 none"
     assert rows[3] == {"shape": "8b", "run": "torchtitan", "error": "torchtitan not installed"}
     assert "max_loss_diff" not in rows[1]  # a reference is not compared with itself
+    assert rows[1]["losses"] == [11.0, 10.0, 9.0] and rows[2]["losses"] == [11.0, 10.001, 9.0]  # shown as well
     # HybridModel is compared with GPTModel at its settings; LoRA (other weights trained) with nothing
     table.add("ours bf16 +hybrid", {"s_per_iter": 0.8, "samples": 8, "peak_gb": 60.0, "losses": [11.0, 10.0, 9.002]})
     table.add("ours bf16 +lora", {"s_per_iter": 0.6, "samples": 8, "peak_gb": 20.0, "losses": [11.0, 10.5, 10.0]})
