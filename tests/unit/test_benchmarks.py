@@ -330,3 +330,27 @@ def test_flash_attention_rows_override_the_automatic_backend():
                         strict=True):
         backends = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--attention-backend"]
         assert backends[-1] == ("flash" if "flash-attn" in run else "auto"), (run, backends)
+
+
+def test_attention_probe_reference_is_causal_grouped_attention_and_its_gradients():
+    """attention_probe's float64 reference (one KV head's query group at a time) equals torch's SDPA with the KV
+    heads repeated for their groups and a causal mask, output and the three input gradients; its distance is 0 to
+    itself and reports the bf16 rounding; without a GPU the script says so in one line."""
+    import attention_probe as ap
+    import torch
+    import torch.nn.functional as F
+
+    q, k, v, grad = ap.inputs(24, 2, 8, 2, 16, "cpu")
+    out, dq, dk, dv = ap.reference(q, k, v, grad, 16 ** -0.5)
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    qb, kb, vb = (t.permute(1, 2, 0, 3) for t in leaves)  # [b, h, s, d]
+    kb, vb = kb.repeat_interleave(4, 1), vb.repeat_interleave(4, 1)
+    theirs = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True).permute(2, 0, 1, 3)
+    theirs.backward(grad.double())
+    for mine, ref in ((out, theirs.detach()), (dq, leaves[0].grad), (dk, leaves[1].grad), (dv, leaves[2].grad)):
+        assert mine.shape == ref.shape and torch.allclose(mine, ref, rtol=1e-10, atol=1e-12)
+    d = ap.distance(out, out)
+    assert d["max_abs_diff"] == 0 and d["rel_l2"] == 0 and 0 < d["bf16_rounding"] < 2.0 ** -8
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "attention_probe.py"), "--seq", "8"],
+                       capture_output=True, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert p.returncode == 1 and p.stderr.startswith("error: ") and p.stderr.count("\n") == 1, p.stderr
