@@ -2,7 +2,7 @@
 speed with CUDA graphs on and off, and (--profile) where a decode step's time goes.
 
     python benchmarks/engine_probe.py [--shape 1b] [--requests 1 32] [--graphs on off] [--sched legacy async] \\
-        [--gemv on attn off] [--sampling-sync on off] [--new 64] \\
+        [--gemv on attn off] [--sampling-sync on off] [--rope on|off] [--new 64] \\
         [--profile DIR [--profile-requests 1 32] [--profile-steps 6]]
     python benchmarks/engine_probe.py --shape tiny --device cpu --impl local --dtype fp32 --graphs off \\
         --requests 1 2 --new 4 --min-prompt 4 --max-prompt 12 --repeat 1          # the logic, on a CPU
@@ -22,7 +22,8 @@ the Triton GEMV kernel instead of cuBLAS (`dynamic.DECODE_GEMV`) and decode atte
 instead of FA4 (`dynamic.DECODE_ATTENTION`): both, the attention only, or neither; one set of rows each, with
 `tokens_vs_kernels_off`. --sampling-sync on / off: megatron-core's sampling, which synchronises the stream every
 step (a blocking host-to-device copy), or ours without it (`dynamic.SAMPLING_NO_SYNC`; exact, so a CPU runs it
-too); one set of rows each, with `tokens_vs_sampling_sync`.
+too); one set of rows each, with `tokens_vs_sampling_sync`. --rope on / off (every row of the call): our in-place
+RoPE kernel (`dynamic.DECODE_ROPE`, a GPU only) or megatron-core's angle gathers, TE's RoPE and the query copy.
 A configuration that fails gives a row with `error` (the traceback on stderr) and the next
 one runs. A new engine is built for every row (`release_engine` between rows).
 
@@ -104,14 +105,16 @@ def set_sched(sched: str) -> None:
     dynamic.ASYNC_SCHEDULING = sched == "async"
 
 
-def set_kernels(kernels: str, sampling_sync: str = "on") -> None:
+def set_kernels(kernels: str, sampling_sync: str = "on", rope: str = "off") -> None:
     """Our decode kernels for the engines built from now on (--gemv): on = GEMV and split-KV attention, attn = the
     attention only, off = neither; and megatron-core's per-step stream synchronisation in sampling
-    (--sampling-sync): on = megatron-core's sampling, off = ours without it (dynamic.SAMPLING_NO_SYNC)."""
+    (--sampling-sync): on = megatron-core's sampling, off = ours without it (dynamic.SAMPLING_NO_SYNC); and
+    (--rope) our in-place RoPE kernel or megatron-core's gather + TE RoPE + copy (dynamic.DECODE_ROPE)."""
     from megatron_patch.inference import dynamic
 
     dynamic.DECODE_GEMV, dynamic.DECODE_ATTENTION = kernels == "on", kernels in ("on", "attn")
     dynamic.SAMPLING_NO_SYNC = sampling_sync == "off"
+    dynamic.DECODE_ROPE = rope == "on"
 
 
 def measure(a, model, prompts, graphs: bool, timer: Timer, bound_ms: float, seen: dict, sched: str = "legacy",
@@ -125,9 +128,10 @@ def measure(a, model, prompts, graphs: bool, timer: Timer, bound_ms: float, seen
     row = {"shape": a.shape, "requests": len(prompts), "cuda_graphs": graphs, "sched": sched, "new": a.new}
     try:
         set_sched(sched)
-        set_kernels(gemv, sync)
+        set_kernels(gemv, sync, a.rope)
         row["gemv"], row["split_kv_attention"] = dynamic.wanted(dynamic.DECODE_GEMV), dynamic.wanted(
             dynamic.DECODE_ATTENTION)
+        row["rope_kernel"] = dynamic.wanted(dynamic.DECODE_ROPE)
         row["sampling_sync"] = not dynamic.SAMPLING_NO_SYNC
         timer.sync()
         t = time.perf_counter()
@@ -272,10 +276,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "kernel (dynamic.DECODE_GEMV) and decode attention on the split-KV kernels "
                          "(dynamic.DECODE_ATTENTION); attn = the attention only; off = neither. One set of rows "
                          "each, `tokens_vs_kernels_off` where off ran too")
-    ap.add_argument("--sampling-sync", nargs="+", choices=["on", "off"], default=["on"],
+    ap.add_argument("--sampling-sync", nargs="+", choices=["on", "off"], default=["off"],
                     help="on = megatron-core's sampling, which synchronises the stream every step; off = the "
                          "sampling_without_stream_sync patch (dynamic.SAMPLING_NO_SYNC). One set of rows "
-                         "each, `tokens_vs_sampling_sync` where on ran too")
+                         "each, `tokens_vs_sampling_sync` where on ran too (default off: the library's default)")
+    ap.add_argument("--rope", choices=["on", "off"], default="on",
+                    help="every row: on = our in-place RoPE kernel (dynamic.DECODE_ROPE, a GPU only; the "
+                         "library's default), off = megatron-core's angle gathers, TE's fused RoPE and the query copy")
     ap.add_argument("--profile", metavar="DIR", help="also write profiler traces and summaries here")
     ap.add_argument("--profile-requests", type=int, nargs="+", default=[1], help="requests of the profiled runs")
     ap.add_argument("--profile-steps", type=int, default=6, help="engine steps traced")
@@ -305,7 +312,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     timer, rows, seen = Timer(a.device, a.repeat), [], {}
     from megatron_patch.inference import dynamic
 
-    defaults = dynamic.ASYNC_SCHEDULING, dynamic.DECODE_GEMV, dynamic.DECODE_ATTENTION, dynamic.SAMPLING_NO_SYNC
+    defaults = (dynamic.ASYNC_SCHEDULING, dynamic.DECODE_GEMV, dynamic.DECODE_ATTENTION, dynamic.SAMPLING_NO_SYNC,
+                dynamic.DECODE_ROPE)
     for sched in a.sched:
         for gemv in a.gemv:
             for sync in a.sampling_sync:
@@ -314,10 +322,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         rows.append(measure(a, model, prompts[:n], graphs == "on", timer, bound_ms, seen, sched,
                                             gemv, sync))
                         print(json.dumps(rows[-1]), flush=True)
-    dynamic.ASYNC_SCHEDULING, dynamic.DECODE_GEMV, dynamic.DECODE_ATTENTION, dynamic.SAMPLING_NO_SYNC = defaults
+    (dynamic.ASYNC_SCHEDULING, dynamic.DECODE_GEMV, dynamic.DECODE_ATTENTION, dynamic.SAMPLING_NO_SYNC,
+     dynamic.DECODE_ROPE) = defaults
     if a.profile:
         os.makedirs(a.profile, exist_ok=True)
-        set_kernels(a.gemv[0], a.sampling_sync[0])
+        set_kernels(a.gemv[0], a.sampling_sync[0], a.rope)
         for sched in a.sched:
             for n in a.profile_requests:
                 try:
@@ -326,7 +335,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     traceback.print_exc()
                     print(json.dumps({"profile": n, "sched": sched, "error": f"{type(e).__name__}: {str(e)[:300]}"}),
                           flush=True)
-    dynamic.ASYNC_SCHEDULING, dynamic.DECODE_GEMV, dynamic.DECODE_ATTENTION, dynamic.SAMPLING_NO_SYNC = defaults
+    (dynamic.ASYNC_SCHEDULING, dynamic.DECODE_GEMV, dynamic.DECODE_ATTENTION, dynamic.SAMPLING_NO_SYNC,
+     dynamic.DECODE_ROPE) = defaults
     return rows
 
 

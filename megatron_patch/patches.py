@@ -598,6 +598,61 @@ def _split_kv_decode_attention() -> Callable[[], None] | None:
     return _swap([(attention.Attention, "flash_decode_and_prefill", flash_decode_and_prefill)])
 
 
+def _rope_serves(t: torch.Tensor, freqs: torch.Tensor, config, cu_seqlens, mscale: float, cp_group) -> bool:
+    """Whether the dynamic context's RoPE call is one `inference.decode_rope` does with the original's
+    arithmetic: Transformer Engine's fused bshd RoPE (`apply_rope_fusion`, no packed `cu_seqlens`, no mRoPE, no
+    mscale, no MLA or interleaved rotation), or fp32 tensors (the unfused path then computes what the kernel does),
+    one context-parallel rank, tensors the kernel takes."""
+    from megatron_patch.inference import decode_rope
+
+    return ((config.apply_rope_fusion or t.dtype == torch.float32) and cu_seqlens is None and mscale == 1.0
+            and getattr(config, "mrope_section", None) is None and not config.multi_latent_attention
+            and not config.rotary_interleaved and (cp_group is None or cp_group.size() == 1)
+            and decode_rope.serves(t, freqs))
+
+
+@register("fused_decode_rope", ">=0.18.2,<0.20")
+def _fused_decode_rope() -> Callable[[], None] | None:
+    """The dynamic engine's rotary embedding in one kernel each for queries and keys (`inference.decode_rope`),
+    rotating in place at each token's position, instead of an index kernel gathering the angles, Transformer
+    Engine's fused RoPE and (queries) a copy back: three kernels fewer a layer (issue 27).
+
+    Wraps `DynamicInferenceContext.apply_rotary_emb_query` / `apply_rotary_emb_key`
+    (`megatron/core/inference/contexts/dynamic_context.py`, 0.18.2 to 0.19.x), which rotate the first
+    `padded_active_token_count` tokens at `gpu_view.token_to_pos_ids` (queries) / `token_to_position_in_request`
+    (keys) and return the query tensor / the rotated keys (only those tokens' rows in a decode-only step).
+    Calls `_rope_serves` declines run the original. Needs a GPU and Triton (tests: Triton's interpreter); applied by
+    the dynamic engine (`inference.dynamic.DECODE_ROPE`)."""
+    if not _gpu_with_triton():
+        return None
+    from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
+
+    from megatron_patch.inference.decode_rope import rope_
+
+    query_original = DynamicInferenceContext.apply_rotary_emb_query
+    key_original = DynamicInferenceContext.apply_rotary_emb_key
+
+    @functools.wraps(query_original)
+    def apply_rotary_emb_query(self, query, query_emb, config, cu_seqlens_q, cp_group, mscale=1.0):
+        n = self.padded_active_token_count
+        if not _rope_serves(query[:n], query_emb, config, cu_seqlens_q, mscale, cp_group):
+            return query_original(self, query, query_emb, config, cu_seqlens_q, cp_group, mscale=mscale)
+        rope_(query[:n], query_emb, self.gpu_view.token_to_pos_ids[:n])
+        return query
+
+    @functools.wraps(key_original)
+    def apply_rotary_emb_key(self, key, key_emb, config, cp_group, mscale=1.0):
+        n = self.padded_active_token_count
+        decode_only = self.is_decode_only()
+        if (decode_only and key.shape[0] != n) or not _rope_serves(key[:n], key_emb, config, None, mscale, cp_group):
+            return key_original(self, key, key_emb, config, cp_group, mscale=mscale)
+        rope_(key[:n], key_emb, self.gpu_view.token_to_position_in_request[:n])
+        return key[:n] if decode_only else key
+
+    return _swap([(DynamicInferenceContext, "apply_rotary_emb_query", apply_rotary_emb_query),
+                  (DynamicInferenceContext, "apply_rotary_emb_key", apply_rotary_emb_key)])
+
+
 @register("sampling_without_stream_sync", ">=0.18.2,<0.20")
 def _sampling_without_stream_sync() -> Callable[[], None] | None:
     """The dynamic engine's sampling without a stream synchronisation per step, so that asynchronous scheduling

@@ -1,6 +1,7 @@
 """Data builders shared by the CPU tests (fixtures over them live in tests/conftest.py): preference rows
 with a learnable rule, chats with a learnable rule, the arguments of a tiny CPU pretraining run and the
-bundled corpus as an indexed dataset. Tests import these, never each other."""
+bundled corpus as an indexed dataset; the rotary-embedding table and float64 reference of the decode RoPE kernel's
+tests (CPU and GPU). Tests import these, never each other."""
 
 from __future__ import annotations
 
@@ -100,3 +101,21 @@ def ppo_steps(rank: int, argv: list[str], steps: int = 2) -> list[tuple[dict, li
         row, rollouts = trainer.step(step)
         out.append((row, rollouts.tokens.tolist()))
     return out
+
+
+def rope_table(rot: int, positions: int, device: str = "cpu") -> torch.Tensor:
+    """megatron-core's rotary angle table [positions, 1, 1, rot] (fp32, `cat(f, f)`, Llama-3's base 500,000)."""
+    inv = 1.0 / (500000.0 ** (torch.arange(0, rot, 2, device=device, dtype=torch.float32) / rot))
+    angles = torch.outer(torch.arange(positions, device=device, dtype=torch.float32), inv)
+    return torch.cat([angles, angles], -1)[:, None, None, :].contiguous()
+
+
+def rope_reference(x: torch.Tensor, freqs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE in float64: x [n, ..., d] (token i at angle table row positions[i], of [., 1, 1, r]); the
+    first r dimensions rotate, the rest pass through."""
+    f = freqs[positions.long(), 0, 0].double().view(x.shape[0], *[1] * (x.dim() - 2), -1)
+    half = f.shape[-1] // 2
+    x = x.double()
+    x1, x2, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
+    return torch.cat([x1 * f[..., :half].cos() - x2 * f[..., :half].sin(),
+                      x2 * f[..., half:].cos() + x1 * f[..., half:].sin(), rest], -1)

@@ -39,19 +39,29 @@ ASYNC_SCHEDULING: bool | None = None
 # Batch-1 decode's linear layers as one Triton GEMV kernel each, norms folded in (the `decode_gemv` patch,
 # `inference/gemv.py`), instead of cuBLAS's GEMM kernels and TE's norm kernel. Steps of `gemv.SERVED_ROWS` (one)
 # tokens only, bf16 / fp16, TP = 1, no FP8. None: on where there is a GPU; True / False: on / off (off on a CPU).
-# Off by default until a decode step with it measures faster than without (docs/benchmarks.md, issue 27: 6.96 ->
-# 6.31 ms at 8B, one request, on 2026-12-03; then 6.30 -> 7.37 ms with its two-pass norm, fixed since, unmeasured).
+# Off by default for now: on 2026-12-03 (8B, CUDA graphs, async, sampling without the sync) the GEMV and the
+# split-KV attention together took one request's step from 5.99 to 5.54 ms (5.05 with DECODE_ROPE), but 32
+# requests' from 6.54 to 6.62 ms (the attention alone; the GEMV serves one-row steps only): measured again
+# (on / attn / off) before they become the default.
 DECODE_GEMV: bool | None = False
 # Decode-only steps' attention on our split-KV Triton kernels (the `split_kv_decode_attention` patch,
 # `inference/decode_attention.py`) instead of FlashAttention-4, which cannot split the key length on Hopper.
 # None: on where there is a GPU; True / False: on / off (off on a CPU). It pays at 8B with 1 and 32 requests
-# (6.96 -> 6.67, 7.74 -> 7.53 ms a step); off by default until the GPU suite's generation tests run with it on.
+# (6.96 -> 6.67, 7.74 -> 7.53 ms a step on 2026-12-03's eighth / ninth sessions; 6.54 -> 6.62 at 32 in
+# the tenth, with the GEMV switch: see DECODE_GEMV); off by default until it pays at every request count.
 DECODE_ATTENTION: bool | None = False
+# The engine's rotary embedding in one Triton kernel each for queries and keys (the `fused_decode_rope` patch,
+# `inference/decode_rope.py`), rotating in place at each token's position, instead of an index kernel for the
+# angles, TE's fused RoPE and a copy of the queries back: three kernels fewer a layer. None: on where there is a
+# GPU; True / False: on / off (off on a CPU). Measured 2026-12-03 (8B, CUDA graphs, async, the other kernels on):
+# one request 5.54 -> 5.05 ms a step, 32 requests 6.62 -> 6.29 ms; as close to float64 as TE's RoPE there.
+DECODE_ROPE: bool | None = None
 # Sampling without megatron-core's per-step stream synchronisation when every request samples alike (the
 # `sampling_without_stream_sync` patch): asynchronous scheduling then overlaps the host's next step with the GPU's.
 # Exact (the same tokens and generator draws, tested against the original), so it runs on a CPU too (where
-# nothing waits: the CPU tests run the engine with it). Off by default until measured on the GPU.
-SAMPLING_NO_SYNC: bool = False
+# nothing waits: the CPU tests run the engine with it). Measured 2026-12-03 (8B, CUDA graphs, async, our kernels
+# off): one request 6.62 -> 5.99 ms a step, 32 requests 7.81 -> 6.54 ms.
+SAMPLING_NO_SYNC: bool = True
 
 
 def default_max_requests() -> int:
@@ -75,6 +85,7 @@ class EnginePlan:
     async_scheduling: bool = False  # megatron-core's async_sched_mode="async" (ASYNC_SCHEDULING)
     decode_gemv: bool = False  # the decode_gemv patch (DECODE_GEMV): the CUDA graphs hold its kernels
     decode_attention: bool = False  # the split_kv_decode_attention patch (DECODE_ATTENTION): likewise
+    decode_rope: bool = False  # the fused_decode_rope patch (DECODE_ROPE): likewise
 
     def covers(self, other: EnginePlan) -> bool:
         """An engine built for this plan serves `other` as well: the same graphs, at least as much room, and
@@ -82,9 +93,9 @@ class EnginePlan:
         slots = (self.max_requests == other.max_requests
                  or (not other.bounded and self.max_requests >= other.max_requests))
         kernels = (self.cuda_graphs, self.non_decode_graphs, self.async_scheduling, self.decode_gemv,
-                   self.decode_attention)
+                   self.decode_attention, self.decode_rope)
         return (slots and kernels == (other.cuda_graphs, other.non_decode_graphs, other.async_scheduling,
-                                      other.decode_gemv, other.decode_attention)
+                                      other.decode_gemv, other.decode_attention, other.decode_rope)
                 and self.max_sequence_length >= other.max_sequence_length and self.max_tokens >= other.max_tokens
                 and self.kv_cache_gb >= other.kv_cache_gb)
 
@@ -151,7 +162,7 @@ def plan_engine(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, ma
                       kv_cache_gb=budget / 1024 ** 3, cuda_graphs=cuda_graphs,
                       non_decode_graphs=not patches.attends_in_torch(model.config.params_dtype),
                       async_scheduling=async_scheduling(), decode_gemv=wanted(DECODE_GEMV),
-                      decode_attention=wanted(DECODE_ATTENTION))
+                      decode_attention=wanted(DECODE_ATTENTION), decode_rope=wanted(DECODE_ROPE))
 
 
 def async_scheduling() -> bool:
@@ -163,8 +174,8 @@ def async_scheduling() -> bool:
 
 
 def wanted(switch: bool | None) -> bool:
-    """A GPU-only switch of this module (`DECODE_GEMV`, `DECODE_ATTENTION`): None is on where there is a GPU;
-    always off without one."""
+    """A GPU-only switch of this module (`DECODE_GEMV`, `DECODE_ATTENTION`, `DECODE_ROPE`): None is on where
+    there is a GPU; always off without one."""
     import torch
 
     return bool(True if switch is None else switch) and torch.cuda.is_available()
@@ -206,6 +217,7 @@ def generate_dynamic(model, tokenizer, prompts: list[list[int]], sampling: Sampl
         plan = plan_engine(model, prompts, sampling.max_new_tokens, max_requests, kv_cache_gb, cuda_graphs)
         with (patches.applied("decode_gemv") if plan.decode_gemv else contextlib.nullcontext(),
               patches.applied("split_kv_decode_attention") if plan.decode_attention else contextlib.nullcontext(),
+              patches.applied("fused_decode_rope") if plan.decode_rope else contextlib.nullcontext(),
               patches.applied("sampling_without_stream_sync") if SAMPLING_NO_SYNC else contextlib.nullcontext()):
             engine = _Engines.get(model, tokenizer, plan)
             return _run(engine, tokenizer, prompts, sampling, on_tokens)

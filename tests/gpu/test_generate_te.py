@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tests.gpu.test_te import HAVE_TE, _record
+from tests.helpers import rope_reference, rope_table
 
 pytestmark = pytest.mark.skipif(not HAVE_TE, reason="needs a CUDA GPU and Transformer Engine")
 
@@ -117,9 +118,11 @@ def test_decode_kernels_layers_and_greedy_tokens(trained, monkeypatch):
     sees `gemv_kernel` with the patch and not without; the engine calls both kernels' launchers with them on and
     neither with them off.
     The attention at Llama-3-8B's heads over megatron's 256-token pages: within the bf16 rounding of the
-    probabilities (2^-8 of max |v|) and of the output of a float64 reference."""
+    probabilities (2^-8 of max |v|) and of the output of a float64 reference. The in-place RoPE kernel
+    (`fused_decode_rope`, also switched on with the others) at Llama-3's 32 heads of 128 and positions to 8k: within
+    half a bf16 step plus fp32 arithmetic of float64, as close as TE's fused RoPE is, and its launcher called."""
     from megatron_patch import patches
-    from megatron_patch.inference import Sampling, decode_attention, dynamic, generate, load_model
+    from megatron_patch.inference import Sampling, decode_attention, decode_rope, dynamic, generate, load_model
     from megatron_patch.inference.paged_attention import attend
     from megatron_patch.tokenizer import build_tokenizer
 
@@ -166,11 +169,25 @@ def test_decode_kernels_layers_and_greedy_tokens(trained, monkeypatch):
     report["attention"] = {"max_abs_diff": (y - ref).abs().max().item()}
     assert ((y - ref).abs() <= 2.0 ** -8 * values.abs().amax() + 2.0 ** -8 * ref.abs() + 1e-6).all()
     assert not y[3].any()
+    freqs = rope_table(128, 8192, "cuda")
+    positions = torch.tensor([0, 7, 1000, 8191], device="cuda")
+    x = torch.randn(4, 1, 32, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    ref = rope_reference(x, freqs, positions)
+    bound = ref.abs() * 2.0 ** -8 + x.double().abs().amax(-1, keepdim=True) * 2.0 ** -19
+    ours = decode_rope.rope_(x.clone(), freqs, positions).double()
+    report["rope"] = {"max_abs_diff": (ours - ref).abs().max().item()}
+    assert ((ours - ref).abs() <= bound).all(), report["rope"]
+    if HAVE_TE and model.config.apply_rope_fusion:
+        from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+
+        te = apply_rotary_pos_emb(x, freqs[positions], model.config).double()  # TE's fused kernel on a GPU
+        report["rope"]["te_max_abs_diff"] = (te - ref).abs().max().item()
+        assert ((te - ref).abs() <= bound).all(), report["rope"]
     tok = build_tokenizer(hf_dir)
     sampling = Sampling(STEPS, top_k=1, stop_id=None)
     from megatron_patch.inference import gemv as gemv_module
 
-    launches = {"gemv": 0, "attention": 0}
+    launches = {"gemv": 0, "attention": 0, "rope": 0}
 
     def counted(name, fn):
         def call(*args, **kwargs):
@@ -180,16 +197,17 @@ def test_decode_kernels_layers_and_greedy_tokens(trained, monkeypatch):
 
     monkeypatch.setattr(gemv_module, "gemv", counted("gemv", gemv_module.gemv))
     monkeypatch.setattr(decode_attention, "decode_attention", counted("attention", decode_attention.decode_attention))
-    seen, defaults, calls = {}, (dynamic.DECODE_GEMV, dynamic.DECODE_ATTENTION), {}
+    monkeypatch.setattr(decode_rope, "rope_", counted("rope", decode_rope.rope_))
+    seen, defaults, calls = {}, (dynamic.DECODE_GEMV, dynamic.DECODE_ATTENTION, dynamic.DECODE_ROPE), {}
     for on in (False, True):
-        dynamic.DECODE_GEMV = dynamic.DECODE_ATTENTION = on
-        launches.update(gemv=0, attention=0)
+        dynamic.DECODE_GEMV = dynamic.DECODE_ATTENTION = dynamic.DECODE_ROPE = on
+        launches.update(gemv=0, attention=0, rope=0)
         try:
             seen[on] = [generate(model, tok, [p], sampling, max_batch_size=1, engine="dynamic")[0] for p in prompts]
         finally:
-            dynamic.DECODE_GEMV, dynamic.DECODE_ATTENTION = defaults
+            dynamic.DECODE_GEMV, dynamic.DECODE_ATTENTION, dynamic.DECODE_ROPE = defaults
         calls[on] = dict(launches)
-    assert calls[False] == {"gemv": 0, "attention": 0} and all(calls[True].values()), calls
+    assert calls[False] == {"gemv": 0, "attention": 0, "rope": 0} and all(calls[True].values()), calls
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16).to("cuda").eval()

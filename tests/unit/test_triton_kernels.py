@@ -1,6 +1,7 @@
-"""Our decode kernels (issue 27) on a CPU through Triton's interpreter: the GEMV (`megatron_patch.inference.gemv`)
-and the split-KV paged decode attention (`megatron_patch.inference.decode_attention`), the same source the GPU
-runs, against float64 references of the same bf16 inputs."""
+"""Our decode kernels (issue 27) on a CPU through Triton's interpreter: the GEMV (`megatron_patch.inference.gemv`),
+the split-KV paged decode attention (`megatron_patch.inference.decode_attention`) and the in-place RoPE
+(`megatron_patch.inference.decode_rope`, also through the dynamic engine), the same source the GPU runs, against
+float64 references of the same inputs."""
 
 import os
 import subprocess
@@ -9,9 +10,10 @@ import sys
 import pytest
 import torch
 
-from megatron_patch.inference import decode_attention, dynamic
+from megatron_patch.inference import decode_attention, decode_rope, dynamic
 from megatron_patch.inference import gemv as gemv_mod
 from megatron_patch.inference.paged_attention import attend
+from tests.helpers import rope_reference, rope_table
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Triton reads TRITON_INTERPRET when it is imported: the kernel tests run in a process that set it first
@@ -22,9 +24,9 @@ def test_the_kernel_tests_under_triton_interpreter():
     pytest.importorskip("triton")
     if INTERPRETED:
         pytest.skip("this is that process")
-    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "gemv_ or attention_",
-                        os.path.abspath(__file__)], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": ROOT})
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
+                        "gemv_ or attention_ or rope_", os.path.abspath(__file__)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=600, env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": ROOT})
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
     assert " passed" in p.stdout and "skipped" not in p.stdout.splitlines()[-1], p.stdout[-500:]
 
@@ -94,11 +96,13 @@ def test_decode_gemv_needs_a_gpu(monkeypatch):
     from megatron_patch import patches
 
     assert not patches.apply("decode_gemv") and not patches.apply("split_kv_decode_attention")
+    assert not patches.apply("fused_decode_rope")
     assert dynamic.wanted(True) is False and dynamic.wanted(None) is False
     plan = dynamic.EnginePlan(1, False, 64, 64, 0.1, True, True, False, False, False)
     assert plan.covers(plan)
     assert not plan.covers(dynamic.EnginePlan(1, False, 64, 64, 0.1, True, True, False, True, False))
     assert not plan.covers(dynamic.EnginePlan(1, False, 64, 64, 0.1, True, True, False, False, True))
+    assert not plan.covers(dynamic.EnginePlan(1, False, 64, 64, 0.1, True, True, False, False, False, True))
 
 
 def test_gemv_serves_only_decode_sized_plain_calls_outside_fp8():
@@ -158,3 +162,92 @@ def test_split_kv_decode_attention_splits_to_fill_the_gpu():
     for n, hk, length in [(1, 8, 1280), (3, 2, 256), (256, 8, 4096)]:
         part = decode_attention.part_for(n, hk, length)
         assert part % decode_attention.BLOCK_T == 0 and -(-length // part) * part < length + part
+
+
+@pytest.mark.parametrize("n, heads, dim, rot, dtype", [
+    (1, 32, 128, 128, torch.bfloat16),  # Llama-3-8B's query heads, one decode token
+    (3, 5, 64, 32, torch.bfloat16),  # partial rotary: dimensions past 32 pass through
+    (4, 8, 80, 80, torch.float32),  # half = 40: padded lanes masked
+])
+def test_rope_in_place_equals_float64(interpreted, n, heads, dim, rot, dtype):
+    """`rope_` rotates a strided view in place (the heads of a larger buffer, as the query and key are views of
+    the QKV output), at each token's own position of megatron-core's angle table (positions past 1,000 radians:
+    precise sine and cosine), within fp32 arithmetic plus the rounding to the tensor's dtype (one step under the
+    interpreter, which truncates); the buffer around the view is untouched; megatron-core's own unfused RoPE at
+    those positions agrees to the same bound."""
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    g = torch.Generator().manual_seed(n * heads + dim)
+    freqs = rope_table(rot, 4096)
+    positions = torch.randint(0, 4096, (n,), generator=g)
+    positions[0] = 4095
+    buf = torch.randn(n, heads + 3, dim, generator=g).to(dtype)
+    before = buf.clone()
+    t = buf[:, 2:2 + heads]
+    ref = rope_reference(before[:, 2:2 + heads], freqs, positions)
+    assert decode_rope.rope_(t, freqs, positions) is t
+    step = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -22
+    bound = ref.abs() * step + before.double()[:, 2:2 + heads].abs().amax(-1, keepdim=True) * 2.0 ** -19
+    assert ((buf[:, 2:2 + heads].double() - ref).abs() <= bound).all()
+    assert torch.equal(buf[:, :2], before[:, :2]) and torch.equal(buf[:, 2 + heads:], before[:, 2 + heads:])
+    theirs = _apply_rotary_pos_emb_bshd(before[:, 2:2 + heads, None].float(), freqs[positions], False)[:, :, 0]
+    assert ((theirs.double() - ref).abs() <= bound + ref.abs() * 2.0 ** -22).all()
+    four = before[:, 2:2 + heads, None].transpose(1, 2)  # [n, 1, heads, dim]: the layout the engine hands over
+    assert decode_rope.serves(four, freqs) and not decode_rope.serves(four, freqs.double())
+    assert not decode_rope.serves(before.transpose(1, 2), freqs)  # last dimension not contiguous
+
+
+def test_rope_through_the_dynamic_engine_equals_megatron_core(interpreted, cpu_megatron, monkeypatch):
+    """The `fused_decode_rope` patch in megatron-core's dynamic engine (a tiny fp32 GPTModel, eager, prompts of
+    different lengths, prefill and decode steps): every call the patch serves gives what the original gives on
+    the same inputs (both run on copies, within fp32 rounding), queries and keys are both served, and the greedy
+    tokens equal the unpatched engine's."""
+    from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
+
+    from megatron_patch import patches
+    from megatron_patch.inference import Sampling, generate
+    from megatron_patch.models import build_model
+    from tests.models import llama_config
+
+    class Ids:  # generate reads no tokenizer for token-id prompts without stop strings; the engine its size
+        vocab_size, eod, pad = 512, 0, 0
+
+        def detokenize(self, ids):
+            return ""
+
+    torch.manual_seed(0)
+    model = build_model(llama_config("gqa"), impl="local", dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 500, (length,), generator=g).tolist() for length in (3, 11, 6)]
+    sampling = Sampling(6, top_k=1, stop_id=None)
+    plain = generate(model, Ids(), prompts, sampling, max_batch_size=3, engine="dynamic")
+    monkeypatch.setattr(patches, "_gpu_with_triton", lambda: True)
+    launches, calls = [], {"query": 0, "key": 0}
+    kernel = decode_rope.rope_
+    monkeypatch.setattr(decode_rope, "rope_", lambda t, f, p: launches.append(t.shape) or kernel(t, f, p))
+    originals = {"query": DynamicInferenceContext.apply_rotary_emb_query,
+                 "key": DynamicInferenceContext.apply_rotary_emb_key}
+    with patches.applied("fused_decode_rope"):
+        ours = {"query": DynamicInferenceContext.apply_rotary_emb_query,
+                "key": DynamicInferenceContext.apply_rotary_emb_key}
+        assert ours["query"] is not originals["query"] and ours["key"] is not originals["key"]
+
+        def checked(which):
+            def call(self, t, *args, **kwargs):
+                expected = originals[which](self, t.clone(), *args, **kwargs)
+                got = ours[which](self, t, *args, **kwargs)
+                assert got.shape == expected.shape
+                assert torch.allclose(got, expected, rtol=2.0 ** -20, atol=1e-6), (which, (got - expected).abs().max())
+                calls[which] += 1
+                return got
+            return call
+
+        with monkeypatch.context() as m:
+            m.setattr(DynamicInferenceContext, "apply_rotary_emb_query", checked("query"))
+            m.setattr(DynamicInferenceContext, "apply_rotary_emb_key", checked("key"))
+            patched = generate(model, Ids(), prompts, sampling, max_batch_size=3, engine="dynamic")
+    assert not patches.is_active("fused_decode_rope")
+    assert patched == plain and all(len(t) == 6 for t in plain)
+    layers = llama_config("gqa")["num_hidden_layers"]
+    assert calls["query"] == calls["key"] >= layers * 6, calls  # every layer, prefill and 5 decode steps
+    assert len(launches) == calls["query"] + calls["key"], (len(launches), calls)  # every call took the kernel
