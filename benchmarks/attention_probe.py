@@ -5,12 +5,15 @@ losses that part from the reference's by 8 in 20 iterations; this probe says whi
 wrong, and what each backend's forward and backward cost.
 
     python benchmarks/attention_probe.py [--seq 8192] [--heads 32] [--kv-heads 8] [--dim 128] [--batch 1]
-        [--backends fused flash] [--iters 20]
+        [--backends fused flash [flash-te]] [--iters 20]
 
 Each backend runs in its own process (Transformer Engine picks a backend once per configuration; the
 NVTE_FUSED_ATTN / NVTE_FLASH_ATTN variables choose it, as megatron-core's `--attention-backend` does), on the same
 bf16 q, k, v and output gradient (seed 0) in megatron-core's layout (sbhd, causal, grouped queries), through
-`transformer_engine.pytorch.DotProductAttention`. One JSON row per backend, printed as measured: the backend TE
+`transformer_engine.pytorch.DotProductAttention`, with the library's patches to TE's calls applied as building a
+model applies them (`te_fa4_causal_window`: TE's causal window in FA4's sentinel); `flash-te` is the flash backend
+as Transformer Engine calls it, without that patch (with FA4 4.0.0b36 its causal output is all zeros: TE issue
+#3528, the cause of the `+flash-attn` loss difference). One JSON row per backend, printed as measured: the backend TE
 ran (`te_backend`), forward and forward + backward milliseconds (median of --iters, CUDA events), and for the
 output and the three input gradients their distance to a float64 reference of the same inputs: the largest
 absolute difference and the relative L2 error ||x - ref|| / ||ref||, beside `bf16_rounding`, the relative L2 error
@@ -29,6 +32,7 @@ import sys
 TOLERANCE = 0.02  # relative L2 error of a bf16 attention output / gradient against float64
 BACKENDS = {"fused": {"NVTE_FUSED_ATTN": "1", "NVTE_FLASH_ATTN": "0", "NVTE_UNFUSED_ATTN": "0"},
             "flash": {"NVTE_FUSED_ATTN": "0", "NVTE_FLASH_ATTN": "1", "NVTE_UNFUSED_ATTN": "0"},
+            "flash-te": {"NVTE_FUSED_ATTN": "0", "NVTE_FLASH_ATTN": "1", "NVTE_UNFUSED_ATTN": "0"},
             "unfused": {"NVTE_FUSED_ATTN": "0", "NVTE_FLASH_ATTN": "0", "NVTE_UNFUSED_ATTN": "1"}}
 
 
@@ -85,6 +89,9 @@ def worker(a) -> dict:
     import transformer_engine.pytorch as te
     from transformer_engine.pytorch.attention.dot_product_attention import dot_product_attention as dpa_module
 
+    from megatron_patch import patches
+
+    patched = a.worker != "flash-te" and patches.apply("te_fa4_causal_window")
     q, k, v, grad_out = inputs(a.seq, a.batch, a.heads, a.kv_heads, a.dim, "cuda")
     attention = te.DotProductAttention(a.heads, a.dim, num_gqa_groups=a.kv_heads, attn_mask_type="causal",
                                        qkv_format="sbhd")
@@ -92,8 +99,9 @@ def worker(a) -> dict:
     out = attention(*leaves)
     out.backward(grad_out.reshape(out.shape))
     got = (out.detach(), *(t.grad.clone() for t in leaves))  # before the timed calls accumulate more
-    row = {"backend": a.worker, "te_backend": {key: str(val) for key, val in dpa_module._attention_backends.items()
-                                               if key.startswith(("use_", "flash_", "fused_"))}}
+    row = {"backend": a.worker, "te_fa4_causal_window": patched,
+           "te_backend": {key: str(val) for key, val in dpa_module._attention_backends.items()
+                          if key.startswith(("use_", "flash_", "fused_"))}}
 
     def timed(fn) -> float:
         times = []

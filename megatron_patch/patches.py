@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import importlib.util
 import os
 import types
 from collections.abc import Callable, Iterator
@@ -453,6 +454,55 @@ def _fa4_no_split_kv_on_sm90() -> Callable[[], None] | None:
         return original(*args, **kwargs)
 
     return _swap([(attention, "flash_attn4_varlen_func", one_split)])
+
+
+TE_FLASH_BACKENDS = "transformer_engine.pytorch.attention.dot_product_attention.backends"
+
+
+def fa4_window(window):
+    """A Transformer Engine attention window as FlashAttention-4 reads one: TE marks an unbounded side -1 (its
+    causal mask is `(-1, 0)`), FA4 marks it None and reads a negative bound as an offset."""
+    if window is None:
+        return None
+    return tuple(None if side is not None and side < 0 else side for side in window)
+
+
+@register("te_fa4_causal_window", ">=0.18.2,<0.20")
+def _te_fa4_causal_window() -> Callable[[], None] | None:
+    """Transformer Engine's FlashAttention-4 calls with FA4's window sentinel, so that causal attention attends.
+
+    TE's FlashAttention backend (`transformer_engine/pytorch/attention/dot_product_attention/backends.py`,
+    `FlashAttention.forward`, TE 2.20.x; its module-level names `flash_attn_func_v4` / `flash_attn_varlen_func_v4`,
+    FA4's `flash_attn.cute` functions) passes `window_size=(-1, 0)` for a causal mask (`check_set_window_size`:
+    -1 is TE's "unbounded"). FA4 marks an unbounded side None; since flash-attention #2490 (in 4.0.0b36:
+    `_resolve_causal_local_window` widens a window to "none" only where both sides are negative) it reads
+    `(-1, 0)` as the local window [i + 1, i]: empty, so every output row is zero, silently (TE issue #3528,
+    fix proposed in TE PR #3532). Training then runs fast and learns nothing through attention: on one H200 the
+    8B step's losses parted from cuDNN attention's by 8.17 in 20 iterations (docs/benchmarks.md, issue 28).
+    Here the names TE calls map each negative side to None (`fa4_window`), which FA4 reads as unbounded in
+    every version; sliding windows (both sides >= 0) pass unchanged. Applies where TE is installed and found
+    FA4 (`flash_attn_func_v4` not None), for as long as models are built (`models.build.model_class_parts`);
+    elsewhere it does nothing. megatron-core's own FA4 calls (the dynamic engine's paged attention) pass no
+    window and are not touched."""
+    if importlib.util.find_spec("transformer_engine") is None:
+        return None
+    try:
+        backends = importlib.import_module(TE_FLASH_BACKENDS)
+    except Exception:  # TE without its CUDA libraries, or an older layout: nothing of ours to fix
+        return None
+
+    def with_fa4_window(original):
+        @functools.wraps(original)
+        def call(*args, **kwargs):
+            if "window_size" in kwargs:
+                kwargs["window_size"] = fa4_window(kwargs["window_size"])
+            return original(*args, **kwargs)
+
+        return call
+
+    targets = [(backends, name, with_fa4_window(fn)) for name in ("flash_attn_func_v4", "flash_attn_varlen_func_v4")
+               if (fn := getattr(backends, name, None)) is not None]
+    return _swap(targets) if targets else None
 
 
 def _fp8_autocast_probe() -> Callable[[], bool]:

@@ -153,3 +153,28 @@ def test_legacy_te_checkpoint_loads_strictly(world, tmp_path):
     want = set(model.state_dict())
     _record(test="legacy_te_keys", missing=sorted(want - set(sd)), unexpected=sorted(set(sd) - want))
     model.load_state_dict(sd, strict=True)
+
+
+@pytest.mark.smoke
+def test_te_flash_attention_backend_matches_float64():
+    """Transformer Engine's FlashAttention backend (FlashAttention-4 where staged) with the library's patch
+    `te_fa4_causal_window`: causal GQA attention's output and its q/k/v gradients within bf16 kernel noise of a
+    float64 reference (benchmarks/attention_probe.py, each backend in its own process); cuDNN's fused attention
+    the same. TE's own call (`flash-te`, unpatched) is recorded beside them: with FA4 4.0.0b36 its output is zero
+    (TE issue #3528), which made `--attention-backend flash` train nothing through attention (issue 28)."""
+    import subprocess
+    import sys
+
+    probe = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "attention_probe.py")
+    p = subprocess.run([sys.executable, probe, "--seq", "2048", "--batch", "2", "--heads", "8", "--kv-heads", "2",
+                        "--iters", "2", "--backends", "fused", "flash", "flash-te"],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = {r["backend"]: r for r in map(json.loads, (line for line in p.stdout.splitlines() if line.startswith("{")))}
+    _record(test="te_flash_attention", **{name: {k: r.get(k) for k in ("error", "te_fa4_causal_window", "te_backend",
+                                                                          "out", "dq", "dk", "dv", "ok")}
+                                          for name, r in rows.items()})
+    assert rows["fused"].get("ok"), rows["fused"]
+    if not str(rows["flash"].get("te_backend", {}).get("flash_attention_backend")).startswith("4"):
+        pytest.skip(f"TE's flash backend did not run FlashAttention-4 (stage_wheels.sh fa4): {rows['flash']}")
+    assert rows["flash"]["te_fa4_causal_window"] and rows["flash"]["ok"], rows["flash"]
