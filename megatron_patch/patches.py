@@ -460,11 +460,18 @@ TE_FLASH_BACKENDS = "transformer_engine.pytorch.attention.dot_product_attention.
 
 
 def fa4_window(window):
-    """A Transformer Engine attention window as FlashAttention-4 reads one: TE marks an unbounded side -1 (its
-    causal mask is `(-1, 0)`), FA4 marks it None and reads a negative bound as an offset."""
+    """A Transformer Engine attention window as FlashAttention-4 reads one: TE (written for FA2 / FA3, which read
+    any negative side as unbounded) marks an unbounded side -1 (its causal mask is `(-1, 0)`); FA4 marks it None
+    and reads a negative bound as an offset."""
     if window is None:
         return None
     return tuple(None if side is not None and side < 0 else side for side in window)
+
+
+# The names TE's attention looks up in its `backends` module to call FA4: the public functions (TE's
+# FlashAttention backend: `window_size=(left, right)`) and the raw ones its context-parallel code imports from
+# there at call time (`window_size_left=`, `window_size_right=`)
+TE_FA4_NAMES = ("flash_attn_func_v4", "flash_attn_varlen_func_v4", "_flash_attn_fwd_v4", "_flash_attn_bwd_v4")
 
 
 @register("te_fa4_causal_window", ">=0.18.2,<0.20")
@@ -472,18 +479,19 @@ def _te_fa4_causal_window() -> Callable[[], None] | None:
     """Transformer Engine's FlashAttention-4 calls with FA4's window sentinel, so that causal attention attends.
 
     TE's FlashAttention backend (`transformer_engine/pytorch/attention/dot_product_attention/backends.py`,
-    `FlashAttention.forward`, TE 2.20.x; its module-level names `flash_attn_func_v4` / `flash_attn_varlen_func_v4`,
-    FA4's `flash_attn.cute` functions) passes `window_size=(-1, 0)` for a causal mask (`check_set_window_size`:
-    -1 is TE's "unbounded"). FA4 marks an unbounded side None; since flash-attention #2490 (in 4.0.0b36:
+    `FlashAttention.forward`, TE 2.20.x) calls FA4 through the module-level names `flash_attn_func_v4` /
+    `flash_attn_varlen_func_v4` (FA4's `flash_attn.cute` functions) with `window_size=(-1, 0)` for a causal mask
+    (`check_set_window_size`: -1 is TE's "unbounded"); its context-parallel attention (`context_parallel.py`)
+    imports `_flash_attn_fwd_v4` / `_flash_attn_bwd_v4` from there and passes `window_size_left=-1,
+    window_size_right=0`. FA4 marks an unbounded side None; since flash-attention #2490 (in 4.0.0b36:
     `_resolve_causal_local_window` widens a window to "none" only where both sides are negative) it reads
-    `(-1, 0)` as the local window [i + 1, i]: empty, so every output row is zero, silently (TE issue #3528,
-    fix proposed in TE PR #3532). Training then runs fast and learns nothing through attention: on one H200 the
+    `(-1, 0)` as the local window [i + 1, i]: empty, so every output row is zero, silently (TE issue #3528; fix
+    proposed in TE PR #3532). Training then runs fast and learns nothing through attention: on one H200 the
     8B step's losses parted from cuDNN attention's by 8.17 in 20 iterations (docs/benchmarks.md, issue 28).
-    Here the names TE calls map each negative side to None (`fa4_window`), which FA4 reads as unbounded in
-    every version; sliding windows (both sides >= 0) pass unchanged. Applies where TE is installed and found
-    FA4 (`flash_attn_func_v4` not None), for as long as models are built (`models.build.model_class_parts`);
-    elsewhere it does nothing. megatron-core's own FA4 calls (the dynamic engine's paged attention) pass no
-    window and are not touched."""
+    Here those four names map each negative side to None (`fa4_window`), which every FA4 version reads as
+    unbounded; sliding windows (sides >= 0) pass unchanged. Applies where TE is installed and found FA4 (its
+    names not None), for as long as the process builds models (`models.build.model_class_parts`); elsewhere it
+    does nothing. megatron-core's own FA4 calls (the dynamic engine's paged attention) pass no window."""
     if importlib.util.find_spec("transformer_engine") is None:
         return None
     try:
@@ -496,11 +504,14 @@ def _te_fa4_causal_window() -> Callable[[], None] | None:
         def call(*args, **kwargs):
             if "window_size" in kwargs:
                 kwargs["window_size"] = fa4_window(kwargs["window_size"])
+            for side in ("window_size_left", "window_size_right"):
+                if kwargs.get(side) is not None and kwargs[side] < 0:
+                    kwargs[side] = None
             return original(*args, **kwargs)
 
         return call
 
-    targets = [(backends, name, with_fa4_window(fn)) for name in ("flash_attn_func_v4", "flash_attn_varlen_func_v4")
+    targets = [(backends, name, with_fa4_window(fn)) for name in TE_FA4_NAMES
                if (fn := getattr(backends, name, None)) is not None]
     return _swap(targets) if targets else None
 

@@ -58,7 +58,7 @@ def te_causal_call(q, k, v):
 
 @pytest.fixture
 def te(monkeypatch):
-    """Transformer Engine's backends module as if TE had found FA4, its two FA4 names recorders of the stand-in."""
+    """Transformer Engine's backends module as if TE had found FA4, its FA4 names recorders of the stand-in."""
     from megatron_patch import compat
 
     compat.megatron_core_version()  # megatron-core imported first: it probes for TE on import
@@ -68,7 +68,8 @@ def te(monkeypatch):
         module.__spec__ = importlib.machinery.ModuleSpec(module.__name__, None)
         monkeypatch.setitem(sys.modules, module.__name__, module)
     backends = sys.modules[patches.TE_FLASH_BACKENDS]
-    backends.flash_attn_func_v4, backends.flash_attn_varlen_func_v4 = _Recorder(), _Recorder()
+    for name in patches.TE_FA4_NAMES:
+        setattr(backends, name, _Recorder())
     exec(TE_CALL, backends.__dict__)
     monkeypatch.delitem(patches._ACTIVE, PATCH, raising=False)
     yield backends
@@ -117,15 +118,25 @@ def test_te_fa4_causal_window_keeps_sliding_windows_apply_twice_and_undo(te):
     te.flash_attn_varlen_func_v4(q, k, v, causal=True, window_size=(-1, 0), cu_seqlens_q=None)
     assert [c.get("window_size", "absent") for c in recorder.calls] == [(3, 0), (None, None), "absent"]
     assert varlen.calls[0]["window_size"] == (None, 0) and "cu_seqlens_q" in varlen.calls[0]
+    # context parallelism's raw calls (TE imports them from the module when it runs): the two sides apart
+    raw = {name: getattr(te, name).__wrapped__ for name in ("_flash_attn_fwd_v4", "_flash_attn_bwd_v4")}
+    te._flash_attn_fwd_v4(q, k, v, causal=True, window_size_left=-1, window_size_right=0, return_lse=True)
+    te._flash_attn_bwd_v4(q, k, v, causal=False, window_size_left=-1, window_size_right=-1)
+    te._flash_attn_fwd_v4(q, k, v, causal=False, window_size_left=5, window_size_right=2)
+    fwd, bwd = raw["_flash_attn_fwd_v4"].calls, raw["_flash_attn_bwd_v4"].calls
+    assert [(c["window_size_left"], c["window_size_right"]) for c in fwd + bwd] == [(None, 0), (5, 2), (None, None)]
+    assert fwd[0]["return_lse"] is True
     patches.revert(PATCH)
     assert te.flash_attn_func_v4 is recorder and te.flash_attn_varlen_func_v4 is varlen
+    assert all(getattr(te, name) is fn for name, fn in raw.items())
     patches.revert(PATCH)  # (a second undo does nothing)
     assert te.flash_attn_func_v4 is recorder and not patches.is_active(PATCH)
 
 
 def test_te_fa4_causal_window_needs_te_with_fa4(te, monkeypatch):
     """Where TE found no FA4 (its names are None) or TE is not installed, nothing is patched."""
-    te.flash_attn_func_v4 = te.flash_attn_varlen_func_v4 = None
+    for name in patches.TE_FA4_NAMES:
+        setattr(te, name, None)
     assert not patches.apply(PATCH) and te.flash_attn_func_v4 is None
     monkeypatch.setattr(patches.importlib.util, "find_spec", lambda name, *a: None)
     assert not patches.apply(PATCH) and not patches.is_active(PATCH)
