@@ -7,6 +7,7 @@
 #   bash benchmarks/stage_wheels.sh lmeval       # lm-evaluation-harness 0.4.13 and what the GPU image lacks of its
 #                                                # dependencies (the GPU suite's lm-eval tests)
 #   bash benchmarks/stage_wheels.sh peft         # PEFT 0.21.2 and accelerate (the GPU suite's LoRA export check, `widths`)
+#   bash benchmarks/stage_wheels.sh liger        # Liger kernels 0.8.5 (train_bench.py's hf-liger peer; Triton, pure Python)
 #   bash benchmarks/stage_wheels.sh NAME==VER... # any wheels
 #
 # Wheels go to .device/extra (.gitignore lists /.device/). A call may carry 64 MiB, so files over 50 MiB are split into
@@ -30,13 +31,14 @@ LMEVAL=(lm-eval==0.4.13 datasets==5.2.0 evaluate==0.4.6 dill==0.4.1 multiprocess
         chardet==6.0.0.post1 sqlitedict==2.1.0 rouge-score==0.1.2 word2number==1.1 more-itertools==11.2.1
         nltk==3.10.4 defusedxml==0.7.1)
 PEFT=(peft==0.21.2 accelerate==1.16.0 psutil==7.2.2)
+LIGER=(liger-kernel==0.8.5)  # needs torch and triton only, both in the GPU image
 WANT=()
 for a in "$@"; do
   case "$a" in
-    fa4) WANT+=("${FA4[@]}") ;; titan) WANT+=("${TITAN[@]}") ;; lmeval) WANT+=("${LMEVAL[@]}") ;; peft) WANT+=("${PEFT[@]}") ;; *) WANT+=("$a") ;;
+    fa4) WANT+=("${FA4[@]}") ;; titan) WANT+=("${TITAN[@]}") ;; lmeval) WANT+=("${LMEVAL[@]}") ;; peft) WANT+=("${PEFT[@]}") ;; liger) WANT+=("${LIGER[@]}") ;; *) WANT+=("$a") ;;
   esac
 done
-[[ ${#WANT[@]} -gt 0 ]] || { echo "error: name fa4, titan, lmeval, peft or wheels (NAME==VER)" >&2; exit 1; }
+[[ ${#WANT[@]} -gt 0 ]] || { echo "error: name fa4, titan, lmeval, peft, liger or wheels (NAME==VER)" >&2; exit 1; }
 D=.device/extra
 rm -rf "$D" .device/x[0-9]*
 mkdir -p "$D"

@@ -41,6 +41,7 @@ import datetime
 import importlib.metadata
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -267,7 +268,18 @@ def run_pretrain(cmd: list[str], env: dict[str, str]) -> dict:
 
 
 def hf(shape: str, variant: str, iters: int, micro_batches: int) -> dict:
-    """HF transformers with gradient accumulation over `micro_batches` (one optimizer step per iteration)."""
+    """One HF row in its own process (`--hf-worker`): Liger's kernels patch transformers' Llama classes for the
+    whole process, and each row's memory figures are its own. The worker's result, or an error row."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--hf-worker", variant, "--shapes", shape, "--iters",
+           str(iters), "--micro-batches", str(micro_batches)]
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    found = re.findall(r"^HF_RESULT (.*)$", p.stdout, re.M)
+    return json.loads(found[-1]) if found else {"error": (p.stdout + p.stderr)[-2000:] or f"exit {p.returncode}"}
+
+
+def hf_measure(shape: str, variant: str, iters: int, micro_batches: int) -> dict:
+    """HF transformers with gradient accumulation over `micro_batches` (one optimizer step per iteration), in
+    this process."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -412,7 +424,11 @@ def main() -> None:
                     help="also compare the first N iterations' losses with the same precision's 'none' run")
     ap.add_argument("--trace", choices=sorted(RUNS), help="record and summarise a profiler trace of this run")
     ap.add_argument("--dry-run", action="store_true", help="print our runs' commands, run nothing")
+    ap.add_argument("--hf-worker", choices=HF_RUNS, help=argparse.SUPPRESS)  # one HF row (hf() starts it)
     a = ap.parse_args()
+    if a.hf_worker:
+        print("HF_RESULT " + json.dumps(hf_measure(a.shapes[0], a.hf_worker, a.iters, a.micro_batches)), flush=True)
+        return
     a.hf, a.torchtitan = ([n for n in names if n != "none"] for names in (a.hf, a.torchtitan))
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

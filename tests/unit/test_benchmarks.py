@@ -354,3 +354,24 @@ def test_attention_probe_reference_is_causal_grouped_attention_and_its_gradients
     p = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "attention_probe.py"), "--seq", "8"],
                        capture_output=True, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert p.returncode == 1 and p.stderr.startswith("error: ") and p.stderr.count("\n") == 1, p.stderr
+
+
+def test_hf_rows_run_in_their_own_process(monkeypatch):
+    """train_bench.hf starts one process per HF row (Liger patches transformers' Llama classes process-wide; each
+    row's memory figures are its own) and reads its HF_RESULT line; a worker that printed none is an error row
+    with its output's tail."""
+    import train_bench as tb
+
+    seen = []
+
+    def fake_run(cmd, **kwargs):
+        seen.append(cmd)
+        out = 'loading\nHF_RESULT {"s_per_iter": 1.5, "peak_gb": 40.0, "resident_gb": 20.0, "samples": 8}\n'
+        return subprocess.CompletedProcess(cmd, 0, out if "hf-liger" in cmd else "", "Traceback\nOOM")
+
+    monkeypatch.setattr(tb.subprocess, "run", fake_run)
+    assert tb.hf("8b", "hf-liger", 12, 8) == {"s_per_iter": 1.5, "peak_gb": 40.0, "resident_gb": 20.0, "samples": 8}
+    assert tb.hf("8b", "hf-compile", 12, 8) == {"error": "Traceback\nOOM"}
+    cmd = seen[0]
+    assert cmd[cmd.index("--hf-worker") + 1] == "hf-liger" and cmd[cmd.index("--shapes") + 1] == "8b"
+    assert (cmd[cmd.index("--iters") + 1], cmd[cmd.index("--micro-batches") + 1]) == ("12", "8")
