@@ -2,7 +2,7 @@
 speed with CUDA graphs on and off, and (--profile) where a decode step's time goes.
 
     python benchmarks/engine_probe.py [--shape 1b] [--requests 1 32] [--graphs on off] [--sched legacy async] \\
-        [--gemv on attn off] [--sampling-sync on off] [--rope on|off] [--new 64] \\
+        [--gemv on attn gemv off] [--sampling-sync on off] [--rope on|off] [--new 64] \\
         [--profile DIR [--profile-requests 1 32] [--profile-steps 6]]
     python benchmarks/engine_probe.py --shape tiny --device cpu --impl local --dtype fp32 --graphs off \\
         --requests 1 2 --new 4 --min-prompt 4 --max-prompt 12 --repeat 1          # the logic, on a CPU
@@ -17,13 +17,14 @@ read per decode step / --bandwidth-tb-s; `tokens_vs_graphs_on|off`: agreement of
 row of the same requests and the other graphs setting. --sched: megatron-core's scheduling of engine steps,
 `legacy` (resolve step k, then prepare step k+1) or `async` (0.19 on: prepare and launch step k+1 before resolving
 step k, so the host's bookkeeping overlaps the GPU; `dynamic.ASYNC_SCHEDULING`), one set of rows each, with
-`tokens_vs_legacy`. --gemv on / attn / off: our decode kernels (a GPU only): batch-1 decode's linear layers on
+`tokens_vs_legacy`. --gemv on / attn / gemv / off: our decode kernels (a GPU only): batch-1 decode's linear layers on
 the Triton GEMV kernel instead of cuBLAS (`dynamic.DECODE_GEMV`) and decode attention on the split-KV kernels
-instead of FA4 (`dynamic.DECODE_ATTENTION`): both, the attention only, or neither; one set of rows each, with
-`tokens_vs_kernels_off`. --sampling-sync on / off: megatron-core's sampling, which synchronises the stream every
-step (a blocking host-to-device copy), or ours without it (`dynamic.SAMPLING_NO_SYNC`; exact, so a CPU runs it
-too); one set of rows each, with `tokens_vs_sampling_sync`. --rope on / off (every row of the call): our in-place
-RoPE kernel (`dynamic.DECODE_ROPE`, a GPU only) or megatron-core's angle gathers, TE's RoPE and the query copy.
+instead of FA4 (`dynamic.DECODE_ATTENTION`): both, the attention only, the GEMV only, or neither; one set of rows
+each, with `tokens_vs_kernels_off`. --sampling-sync on / off: megatron-core's sampling, which synchronises the
+stream every step (a blocking host-to-device copy), or ours without it (`dynamic.SAMPLING_NO_SYNC`; exact, so a
+CPU runs it too); one set of rows each, with `tokens_vs_sampling_sync`. --rope on / off (every row of the call):
+our in-place RoPE kernel (`dynamic.DECODE_ROPE`, a GPU only) or megatron-core's angle gathers, TE's RoPE and the
+query copy.
 A configuration that fails gives a row with `error` (the traceback on stderr) and the next
 one runs. A new engine is built for every row (`release_engine` between rows).
 
@@ -107,12 +108,12 @@ def set_sched(sched: str) -> None:
 
 def set_kernels(kernels: str, sampling_sync: str = "on", rope: str = "off") -> None:
     """Our decode kernels for the engines built from now on (--gemv): on = GEMV and split-KV attention, attn = the
-    attention only, off = neither; and megatron-core's per-step stream synchronisation in sampling
+    attention only, gemv = the GEMV only, off = neither; and megatron-core's per-step stream synchronisation in sampling
     (--sampling-sync): on = megatron-core's sampling, off = ours without it (dynamic.SAMPLING_NO_SYNC); and
     (--rope) our in-place RoPE kernel or megatron-core's gather + TE RoPE + copy (dynamic.DECODE_ROPE)."""
     from megatron_patch.inference import dynamic
 
-    dynamic.DECODE_GEMV, dynamic.DECODE_ATTENTION = kernels == "on", kernels in ("on", "attn")
+    dynamic.DECODE_GEMV, dynamic.DECODE_ATTENTION = kernels in ("on", "gemv"), kernels in ("on", "attn")
     dynamic.SAMPLING_NO_SYNC = sampling_sync == "off"
     dynamic.DECODE_ROPE = rope == "on"
 
@@ -120,8 +121,8 @@ def set_kernels(kernels: str, sampling_sync: str = "on", rope: str = "off") -> N
 def measure(a, model, prompts, graphs: bool, timer: Timer, bound_ms: float, seen: dict, sched: str = "legacy",
             gemv: str = "on", sync: str = "on") -> dict:
     """One row; `seen` keeps each (requests, graphs, sched, kernels, sampling sync)'s tokens, compared with the
-    other graphs setting's, with legacy scheduling's, with our decode kernels off (`gemv`: on, off or attn: only
-    the split-KV attention; on: both) and with megatron-core's sampling (`sync` on)."""
+    other graphs setting's, with legacy scheduling's, with our decode kernels off (`gemv`: on, off, attn: only
+    the split-KV attention, gemv: only the GEMV; on: both) and with megatron-core's sampling (`sync` on)."""
     from megatron_patch.inference import dynamic
     from megatron_patch.inference.dynamic import release_engine
 
@@ -271,10 +272,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--bandwidth-tb-s", type=float, default=4.8, help="memory bandwidth for the bound (H200: 4.8)")
-    ap.add_argument("--gemv", nargs="+", choices=["on", "attn", "off"], default=["on"],
+    ap.add_argument("--gemv", nargs="+", choices=["on", "attn", "gemv", "off"], default=["on"],
                     help="our decode kernels (GPU only): on = batch-1 decode's linear layers on the Triton GEMV "
                          "kernel (dynamic.DECODE_GEMV) and decode attention on the split-KV kernels "
-                         "(dynamic.DECODE_ATTENTION); attn = the attention only; off = neither. One set of rows "
+                         "(dynamic.DECODE_ATTENTION); attn = the attention only; gemv = the GEMV only; off = "
+                         "neither. One set of rows "
                          "each, `tokens_vs_kernels_off` where off ran too")
     ap.add_argument("--sampling-sync", nargs="+", choices=["on", "off"], default=["off"],
                     help="on = megatron-core's sampling, which synchronises the stream every step; off = the "

@@ -140,3 +140,27 @@ def test_engine_probe_at_the_tiny_shape_on_cpu(tmp_path, cpu_megatron, capsys):
         assert len(table) == 40 and own == sorted(own, reverse=True) and all(f["calls"] > 0 for f in table)
         assert (tmp_path / f"summary_{p['config']}.json").exists()
     assert dynamic.ASYNC_SCHEDULING is default and dynamic.SAMPLING_NO_SYNC is sampling_default  # left as found
+
+
+def test_engine_probe_kernel_choices_set_the_engine_switches():
+    """engine_probe --gemv: on = GEMV and split-KV attention, attn / gemv = that one alone, off = neither; the
+    sampling and RoPE switches as asked; the library's defaults restored afterwards by the caller."""
+    from megatron_patch.inference import dynamic
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import engine_probe
+    finally:
+        sys.path.pop(0)
+    saved = dynamic.DECODE_GEMV, dynamic.DECODE_ATTENTION, dynamic.SAMPLING_NO_SYNC, dynamic.DECODE_ROPE
+    try:
+        seen = {}
+        for choice in ("on", "attn", "gemv", "off"):
+            engine_probe.set_kernels(choice, "off", "on")
+            seen[choice] = (dynamic.DECODE_GEMV, dynamic.DECODE_ATTENTION)
+            assert dynamic.SAMPLING_NO_SYNC is True and dynamic.DECODE_ROPE is True
+        assert seen == {"on": (True, True), "attn": (False, True), "gemv": (True, False), "off": (False, False)}
+        engine_probe.set_kernels("off", "on", "off")
+        assert dynamic.SAMPLING_NO_SYNC is False and dynamic.DECODE_ROPE is False
+    finally:
+        dynamic.DECODE_GEMV, dynamic.DECODE_ATTENTION, dynamic.SAMPLING_NO_SYNC, dynamic.DECODE_ROPE = saved
