@@ -459,13 +459,16 @@ def _fa4_no_split_kv_on_sm90() -> Callable[[], None] | None:
 TE_FLASH_BACKENDS = "transformer_engine.pytorch.attention.dot_product_attention.backends"
 
 
+def _fa4_side(side: int | None) -> int | None:
+    """One side of a Transformer Engine attention window as FlashAttention-4 reads it: TE (written for FA2 / FA3,
+    which read any negative side as unbounded) marks an unbounded side -1; FA4 marks it None and reads a negative
+    bound as an offset."""
+    return None if side is not None and side < 0 else side
+
+
 def fa4_window(window):
-    """A Transformer Engine attention window as FlashAttention-4 reads one: TE (written for FA2 / FA3, which read
-    any negative side as unbounded) marks an unbounded side -1 (its causal mask is `(-1, 0)`); FA4 marks it None
-    and reads a negative bound as an offset."""
-    if window is None:
-        return None
-    return tuple(None if side is not None and side < 0 else side for side in window)
+    """A TE window (left, right) as FA4 reads one (`_fa4_side`): TE's causal mask `(-1, 0)` is FA4's `(None, 0)`."""
+    return None if window is None else tuple(_fa4_side(side) for side in window)
 
 
 # The names TE's attention looks up in its `backends` module to call FA4: the public functions (TE's
@@ -505,8 +508,8 @@ def _te_fa4_causal_window() -> Callable[[], None] | None:
             if "window_size" in kwargs:
                 kwargs["window_size"] = fa4_window(kwargs["window_size"])
             for side in ("window_size_left", "window_size_right"):
-                if kwargs.get(side) is not None and kwargs[side] < 0:
-                    kwargs[side] = None
+                if side in kwargs:
+                    kwargs[side] = _fa4_side(kwargs[side])
             return original(*args, **kwargs)
 
         return call
