@@ -76,8 +76,11 @@ RUNS: dict[str, tuple[str, str, list[str], dict[str, str]]] = {
     "bf16 +precision-aware-opt": ("bf16", "default", ["--use-precision-aware-optimizer"], {}),
     "bf16 mbs2": ("bf16", "default", ["@mbs2"], {}),
     # TE's FlashAttention backend (flash-attn v2 / v3, or v4 where TE takes it: `stage_wheels.sh fa4`) instead of
-    # cuDNN's fused attention, whose backward is 3x its forward at 8B (docs/benchmarks.md, ninth session)
+    # cuDNN's fused attention, whose backward is 3x its forward at 8B (docs/benchmarks.md, ninth session); the
+    # profiles take it where TE runs FA4 on Hopper (`training.profiles.flash_attention_suits`), and `+fused-attn`
+    # is then the row without it
     "bf16 +flash-attn": ("bf16", "default", ["--attention-backend", "flash"], {}),
+    "bf16 +fused-attn": ("bf16", "default", ["--attention-backend", "fused"], {}),
     # issue 29: HybridModel against GPTModel, LoRA against full training (same shape, same run)
     "bf16 +hybrid": ("bf16", "default", ["--model-class", "hybrid"], {}),
     "bf16 +lora": ("bf16", "default", ["@hf-base", "--lora-rank", "16", "--lora-alpha", "32"], {}),
@@ -90,6 +93,7 @@ RUNS: dict[str, tuple[str, str, list[str], dict[str, str]]] = {
     "fp8 +grad-reduce-bf16": ("fp8", "default", ["--grad-reduce-in-bf16"], {}),
     "fp8 +param-gather": ("fp8", "default", ["--fp8-param-gather"], {}),
     "fp8 +flash-attn": ("fp8", "default", ["--attention-backend", "flash"], {}),
+    "fp8 +fused-attn": ("fp8", "default", ["--attention-backend", "fused"], {}),
     "fp8 +cudnn-norm": ("fp8", "default", [], {"NVTE_NORM_FWD_USE_CUDNN": "1", "NVTE_NORM_BWD_USE_CUDNN": "1"}),
     "fp8 +graph-te": ("fp8", "benchmark", [*GRAPHS, "transformer_engine"], {}),
     "fp8 +graph-full": ("fp8", "benchmark", [*GRAPHS, "full_iteration", "--te-rng-tracker"], {}),
@@ -194,8 +198,8 @@ def pretrain_command(gpus: int, model: list[str], seq: int, mbs: int, global_bat
     """`python -m megatron_patch.pretrain` under torchrun on mock data (no checkpoint, a log line per
     iteration); `model` is `--hf-config PATH` or `--load-hf DIR`. On GPUs: Transformer Engine and the
     distributed optimizer; `cpu`: `--cpu` (gloo, the local implementation), on a free rendezvous port."""
-    device = ["--cpu"] if cpu else ["--transformer-impl", "transformer_engine", "--use-distributed-optimizer",
-                                    "--attention-backend", "auto"]
+    # (the attention backend is the profile's: Megatron's automatic choice, or FA4 where the profile takes it)
+    device = ["--cpu"] if cpu else ["--transformer-impl", "transformer_engine", "--use-distributed-optimizer"]
     cmd = [sys.executable, "-m", "torch.distributed.run", *(["--standalone"] if cpu else []), "--nproc_per_node",
            str(gpus), "-m", "megatron_patch.pretrain", *model, "--mock-data", "--tokenizer-type", "NullTokenizer",
            "--vocab-size", str(vocab), "--seq-length", str(seq), "--micro-batch-size", str(mbs),
@@ -329,16 +333,19 @@ def versions() -> dict:
     import torch
 
     out = {"date": datetime.date.today().isoformat(), "torch": torch.__version__}
-    for name in ("megatron.core", "transformer_engine", "transformers", "liger_kernel"):
+    for name in ("megatron.core", "transformer_engine", "transformers"):
         try:
             module = __import__(name, fromlist=["__version__"])
             out[name] = getattr(module, "__version__", "?")
         except ImportError:
             pass
-    try:  # its metadata: importing it here could fail on an incompatible torch (its row says why)
-        out["torchtitan"] = importlib.metadata.version("torchtitan")
-    except importlib.metadata.PackageNotFoundError:
-        pass
+    # from their metadata: liger_kernel has no __version__, and importing torchtitan here could fail on an
+    # incompatible torch (its row says why)
+    for name in ("liger_kernel", "torchtitan"):
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
     if torch.cuda.is_available():
         out["gpu"] = f"{torch.cuda.get_device_name()} x{torch.cuda.device_count()}"
     return out
@@ -391,7 +398,11 @@ class ShapeRows:
 
 
 def _loss_cell(row: dict) -> str:
-    return f"{row['max_loss_diff']} (vs {row['loss_reference']})" if "max_loss_diff" in row else ""
+    """The largest loss difference to two significant figures (the losses themselves are logged to 4-5)."""
+    if "max_loss_diff" not in row:
+        return ""
+    diff = row["max_loss_diff"]
+    return f"{'n/a' if diff is None else f'{diff:.2g}'} (vs {row['loss_reference']})"
 
 
 def torchdynamo_on(argv: list[str]) -> None:
@@ -471,7 +482,7 @@ def main() -> None:
             last = r["error"].splitlines()[-1] if r["error"] else ""
             print(f"| {r['shape']} | {r['run']} | error: {last} | | | | | |")
         else:
-            print(f"| {r['shape']} | {r['run']} | {r['tokens_per_s']:,} | {r['tflops_per_gpu']} | {r['vs_hf']} | "
+            print(f"| {r['shape']} | {r['run']} | {r['tokens_per_s']:,} | {r['tflops_per_gpu']} | {r['vs_hf'] or ''} | "
                   f"{r['peak_gb']} | {r.get('resident_gb', '')} | {_loss_cell(r)} |")
     print(json.dumps({"meta": meta, "rows": rows}))
 

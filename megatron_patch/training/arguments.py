@@ -141,7 +141,8 @@ def parse_args(argv: list[str] | None = None, extra_args_provider=None, indexed_
         setattr(args, key, value)
     apply_model_class(args, hf_config)
     apply_precision(args)
-    apply_throughput_profile(args, given)  # megatron prints the resulting arguments at start
+    # megatron prints the resulting arguments at start
+    apply_throughput_profile(args, given, get_family(hf_config).config_kwargs(hf_config))
     if indexed_data:
         check_data_paths(args)
         if args.split is None and (args.data_path or args.data_args_path):

@@ -5,6 +5,9 @@ A flag given on the command line always wins."""
 from __future__ import annotations
 
 import argparse
+import os
+from collections.abc import Mapping
+from typing import Any
 
 THROUGHPUT_PROFILES = ("none", "default", "benchmark")
 # (argument, value, the flag that sets it): settings that leave the numbers as they are (up to bf16 rounding)
@@ -16,16 +19,64 @@ _UNCHECKED = (("check_for_nan_in_loss_and_grad", False, "--no-check-for-nan-in-l
               ("rerun_mode", "disabled", "--rerun-mode"))
 
 
-def apply_throughput_profile(args: argparse.Namespace, given: set[str]) -> dict:
+# Transformer Engine's FlashAttention backend where it runs FlashAttention-4 (the `te_fa4_causal_window` patch
+# makes its causal calls right): on one H200, LLaMA-3-8B widths at seq 8192, +1.6% tokens/s in bf16 and +2.2% in
+# fp8 over cuDNN's fused attention (whose backward is 3x its forward), losses within 3e-4 / 3.2e-3 over 20
+# iterations (docs/benchmarks.md, 2026-12-03). Where it was measured only: plain causal softmax attention.
+FLASH_HEAD_DIMS = (64, 128)
+_BACKEND_VARIABLES = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
+
+
+def flash_attention_suits(args: argparse.Namespace, model: Mapping[str, Any]) -> bool:
+    """Whether the profile's attention (`--attention-backend flash`) fits this run: Transformer Engine, causal
+    attention over whole sequences (no packed documents: --reset-attention-mask, SFT's packing; no context
+    parallelism), no ALiBi (position embedding "none"), no sliding window, no multi-latent attention, no
+    attention sink, no attention dropout, no FP8 attention, a head dim of `FLASH_HEAD_DIMS`, and no
+    NVTE_*_ATTN variable of the user's. `model`: the family's TransformerConfig arguments."""
+    heads = model.get("kv_channels") or args.hidden_size // args.num_attention_heads
+    return (args.transformer_impl == "transformer_engine" and not args.reset_attention_mask
+            and not getattr(args, "sft_data", None) and args.context_parallel_size == 1
+            and args.position_embedding_type in ("rope", "learned_absolute")
+            and model.get("window_size") is None and not model.get("multi_latent_attention")
+            and model.get("softmax_type", "vanilla") == "vanilla" and not args.attention_dropout
+            and not getattr(args, "fp8_dot_product_attention", False) and heads in FLASH_HEAD_DIMS
+            and not any(v in os.environ for v in _BACKEND_VARIABLES))
+
+
+def te_runs_fa4_on_hopper() -> bool:
+    """Whether this machine's GPU is a Hopper (SM90, where FA4 through TE was measured) and Transformer Engine
+    found FlashAttention-4 (`patches.TE_FA4_NAMES` bound in its backends module)."""
+    import importlib
+
+    import torch
+
+    from megatron_patch.patches import TE_FA4_NAMES, TE_FLASH_BACKENDS
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        return False
+    try:
+        backends = importlib.import_module(TE_FLASH_BACKENDS)
+    except Exception:  # no TE, or TE without its CUDA libraries
+        return False
+    return getattr(backends, TE_FA4_NAMES[0], None) is not None
+
+
+def apply_throughput_profile(args: argparse.Namespace, given: set[str], model: Mapping[str, Any] | None = None) -> dict:
     """`--throughput-profile`: the settings of the profile that the command line did not set itself.
     Returns {argument: value} as applied. The data loader's attention mask is dropped only where nothing
     reads it: Transformer Engine's causal kernels ignore it, unless documents are masked apart
-    (--reset-attention-mask)."""
+    (--reset-attention-mask). Attention runs on FlashAttention-4 where `flash_attention_suits` the run
+    (`model`: the family's TransformerConfig arguments) and `te_runs_fa4_on_hopper`."""
     if args.throughput_profile == "none":
         return {}
     settings = list(_NEUTRAL)
     if args.transformer_impl == "transformer_engine" and not args.reset_attention_mask:
         settings.append(("create_attention_mask_in_dataloader", False, "--no-create-attention-mask-in-dataloader"))
+    if (model is not None and "--attention-backend" not in given and flash_attention_suits(args, model)
+            and te_runs_fa4_on_hopper()):
+        from megatron.core.transformer.enums import AttnBackend
+
+        settings.append(("attention_backend", AttnBackend.flash, "--attention-backend"))
     if args.throughput_profile == "benchmark":
         settings += _UNCHECKED
     if "--manual-gc" in given:  # the user's own GC setting, interval included

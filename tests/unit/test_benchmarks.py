@@ -323,13 +323,15 @@ def test_loss_references_are_measured_first():
         ["bf16 none", "bf16", "bf16 +hybrid", "bf16 +lora", "fp8 none", "fp8"]
 
 
-def test_flash_attention_rows_override_the_automatic_backend():
-    """The `+flash-attn` ablation rows: Megatron reads the last `--attention-backend`, which must be theirs."""
-    runs = ["bf16 +flash-attn", "fp8 +flash-attn", "bf16"]
+def test_attention_rows_name_their_backend_and_the_rest_leave_it_to_the_profile():
+    """The `+flash-attn` / `+fused-attn` ablation rows pass their backend once; the other rows pass none, so the
+    throughput profile chooses it as in a user's run (`training.profiles.flash_attention_suits`)."""
+    runs = ["bf16 +flash-attn", "fp8 +flash-attn", "bf16 +fused-attn", "fp8 +fused-attn", "bf16", "fp8 none"]
     for run, cmd in zip(runs, _dry_run("--torchtitan", "none", "--hf", "none", "--shapes", "8b", "--runs", *runs),
                         strict=True):
         backends = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--attention-backend"]
-        assert backends[-1] == ("flash" if "flash-attn" in run else "auto"), (run, backends)
+        expected = ["flash"] if "flash-attn" in run else ["fused"] if "fused-attn" in run else []
+        assert backends == expected, (run, backends)
 
 
 def test_attention_probe_reference_is_causal_grouped_attention_and_its_gradients():
@@ -375,3 +377,12 @@ def test_hf_rows_run_in_their_own_process(monkeypatch):
     cmd = seen[0]
     assert cmd[cmd.index("--hf-worker") + 1] == "hf-liger" and cmd[cmd.index("--shapes") + 1] == "8b"
     assert (cmd[cmd.index("--iters") + 1], cmd[cmd.index("--micro-batches") + 1]) == ("12", "8")
+
+
+def test_table_shows_the_loss_difference_to_two_figures():
+    import train_bench as tb
+
+    row = {"max_loss_diff": 0.00020700000000006824, "loss_reference": "bf16 none"}
+    assert tb._loss_cell(row) == "0.00021 (vs bf16 none)"
+    assert tb._loss_cell({"max_loss_diff": None, "loss_reference": "fp8"}) == "n/a (vs fp8)"
+    assert tb._loss_cell({}) == ""
