@@ -637,7 +637,6 @@ def _split_kv_decode_attention() -> Callable[[], None] | None:
     if not _gpu_with_triton():
         return None
     from megatron.core.transformer import attention
-    from megatron.core.transformer.utils import is_layer_window_attention
 
     from megatron_patch.inference import decode_attention as da
 
@@ -646,18 +645,78 @@ def _split_kv_decode_attention() -> Callable[[], None] | None:
     @functools.wraps(original)
     def flash_decode_and_prefill(self, q, k, v, max_seqlen_q, max_seqlen_k, cu_seqlens_q, cu_seqlens_k, seqlens_k,
                                  block_table, is_decode_only, softmax_offset=None):
-        config = self.config
-        if (is_decode_only and softmax_offset is None and q.is_cuda and q.dim() == 4 and k.dim() == 4
-                and q.shape[0] == seqlens_k.shape[0] and da.supports(q[:, 0], k)
-                and not getattr(self, "batch_invariant_mode", False)
-                and type(config).__name__ != "MLATransformerConfig"
-                and not is_layer_window_attention(config.window_size, config.window_attn_skip_freq,
-                                                  self.layer_number)):
+        if _split_kv_serves(self, q, k, seqlens_k, is_decode_only, softmax_offset):
             scale = getattr(self, "softmax_scale", None) or q.shape[-1] ** -0.5
             return da.decode_attention(q[:, 0], k, v, block_table, seqlens_k, scale)[:, None]
         extra = {} if softmax_offset is None else {"softmax_offset": softmax_offset}
         return original(self, q, k, v, max_seqlen_q, max_seqlen_k, cu_seqlens_q, cu_seqlens_k, seqlens_k,
                         block_table, is_decode_only, **extra)
+
+    return _swap([(attention.Attention, "flash_decode_and_prefill", flash_decode_and_prefill)])
+
+
+def _split_kv_serves(layer, q: torch.Tensor, k: torch.Tensor, seqlens_k: torch.Tensor, is_decode_only: bool,
+                     softmax_offset) -> bool:
+    """Whether our split-KV decode kernels take this call of `Attention.flash_decode_and_prefill`: decode-only
+    with one query per request on the GPU, 16-bit inputs the kernels take (`decode_attention.supports`), no sink
+    logits, no sliding window for the layer, not batch-invariant mode and not multi-latent attention."""
+    da, is_layer_window_attention = _split_kv_parts()
+    config = layer.config
+    return (is_decode_only and softmax_offset is None and q.is_cuda and q.dim() == 4 and k.dim() == 4
+            and q.shape[0] == seqlens_k.shape[0] and da.supports(q[:, 0], k)
+            and not getattr(layer, "batch_invariant_mode", False)
+            and type(config).__name__ != "MLATransformerConfig"
+            and not is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer.layer_number))
+
+
+@functools.cache
+def _split_kv_parts():
+    """(our decode_attention module, megatron-core's is_layer_window_attention), imported once: asked per layer
+    and step."""
+    from megatron.core.transformer.utils import is_layer_window_attention
+
+    from megatron_patch.inference import decode_attention
+
+    return decode_attention, is_layer_window_attention
+
+
+@register("alibi_paged_attention", ">=0.18.2,<0.20")
+def _alibi_paged_attention() -> Callable[[], None] | None:
+    """ALiBi models (Bloom, Baichuan-13B) on megatron-core's dynamic inference engine, which attends through
+    `Attention.flash_decode_and_prefill` (`megatron/core/transformer/attention.py`, 0.18.2 to 0.19.x) and not
+    through the layer's core attention, where the ALiBi bias lives (`models/modules/alibi.py`): flash-attn's paged
+    kernels would drop the bias. Here a layer whose core attention has ALiBi slopes (`alibi.layer_slopes`)
+    attends with the bias added: decode-only steps the split-KV kernels take (`_split_kv_serves`) on our Triton
+    kernels with the slopes (`inference/decode_attention.py`), every other call in torch
+    (`inference/paged_attention.py`, request by request for prefill). Layers without ALiBi keep the method in
+    place. Applied by the dynamic engine for models with ALiBi (`inference.dynamic`), which then captures CUDA
+    graphs of decode-only steps only (the torch prefill reads the lengths on the host)."""
+    from megatron.core.transformer import attention
+
+    from megatron_patch.inference import decode_attention as da
+    from megatron_patch.inference import paged_attention
+    from megatron_patch.models.modules.alibi import layer_slopes
+
+    original = attention.Attention.flash_decode_and_prefill
+    kernels_here = _gpu_with_triton()
+
+    @functools.wraps(original)
+    def flash_decode_and_prefill(self, q, k, v, max_seqlen_q, max_seqlen_k, cu_seqlens_q, cu_seqlens_k, seqlens_k,
+                                 block_table, is_decode_only, softmax_offset=None):
+        slopes = layer_slopes(self.core_attention)
+        extra = {} if softmax_offset is None else {"softmax_offset": softmax_offset}
+        if slopes is None:
+            return original(self, q, k, v, max_seqlen_q, max_seqlen_k, cu_seqlens_q, cu_seqlens_k, seqlens_k,
+                            block_table, is_decode_only, **extra)
+        if kernels_here and _split_kv_serves(self, q, k, seqlens_k, is_decode_only, softmax_offset):
+            # the slopes on the queries' device once (a CUDA graph captures no host-to-device copy)
+            if getattr(self, "_alibi_slopes_on", None) is None or self._alibi_slopes_on.device != q.device:
+                self._alibi_slopes_on = slopes.to(q.device, torch.float32)
+            scale = getattr(self, "softmax_scale", None) or q.shape[-1] ** -0.5
+            return da.decode_attention(q[:, 0], k, v, block_table, seqlens_k, scale, self._alibi_slopes_on)[:, None]
+        return paged_attention.flash_decode_and_prefill(self, q, k, v, max_seqlen_q, max_seqlen_k, cu_seqlens_q,
+                                                        cu_seqlens_k, seqlens_k, block_table, is_decode_only,
+                                                        **extra)
 
     return _swap([(attention.Attention, "flash_decode_and_prefill", flash_decode_and_prefill)])
 

@@ -6,7 +6,8 @@ token per request attends in one program per (request, KV head) there: 19 us a l
 `decode_attention(q, k_cache, v_cache, block_table, seqlens_k, scale)`: q [n, heads, dim] (one query per request,
 at the request's last position), the caches [blocks, block_size, kv heads, dim] as megatron-core keeps them,
 `block_table` [n, blocks per request], `seqlens_k` [n] (0 for a padding row: its output is 0); grouped queries
-(head h reads KV head h // (heads / kv heads)). Returns softmax(q k^T * scale) v [n, heads, dim] in q's dtype,
+(head h reads KV head h // (heads / kv heads)); ALiBi `slopes` [heads] add slope_h * (j - i) to the scaled scores
+(`models/modules/alibi.py`). Returns softmax(q k^T * scale) v [n, heads, dim] in q's dtype,
 products in the inputs' dtype with fp32 accumulation and softmax, as flash-attn. The first kernel attends each
 (request, KV head, split of `part` positions) with an online softmax and writes its partial output and
 log-sum-exp; the second combines the splits. Shapes depend only on the tensors' shapes, so a CUDA graph replays
@@ -29,11 +30,11 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, scale,
+    def split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, slopes_ptr, scale,
                      stride_qn, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                      stride_btn, stride_on, stride_oh, stride_os, stride_ln, stride_lh,
                      PAGE: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
-                     PART: tl.constexpr, BLOCK_T: tl.constexpr, DOT_F32: tl.constexpr):
+                     PART: tl.constexpr, BLOCK_T: tl.constexpr, DOT_F32: tl.constexpr, ALIBI: tl.constexpr):
         r = tl.program_id(0)
         kh = tl.program_id(1)
         sp = tl.program_id(2)
@@ -60,6 +61,9 @@ def _kernels():
                     s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
                 else:
                     s = tl.dot(q, tl.trans(k)) * scale
+                if ALIBI:  # slope_h * (j - i), the query at position kv_len - 1
+                    slope = tl.load(slopes_ptr + heads, mask=g_ok, other=0.0)
+                    s = s + slope[:, None] * (t - (kv_len - 1)).to(tl.float32)[None, :]
                 s = tl.where(t_ok[None, :], s, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -119,7 +123,7 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                     seqlens_k: torch.Tensor, scale: float) -> torch.Tensor:
+                     seqlens_k: torch.Tensor, scale: float, slopes: torch.Tensor | None = None) -> torch.Tensor:
     import triton
 
     n, heads, dim = q.shape
@@ -132,12 +136,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     lse = torch.empty((n, heads, splits), dtype=torch.float32, device=q.device)
     y = torch.empty_like(q)
     split_kernel, combine_kernel = _kernels()
+    alibi = slopes is not None
+    slopes = slopes.to(q.device, torch.float32).contiguous() if alibi else lse  # (unread without ALiBi)
     split_kernel[(n, kv_heads, splits)](
-        q, k_cache, v_cache, block_table, seqlens_k, o_part, lse, float(scale), q.stride(0), q.stride(1),
+        q, k_cache, v_cache, block_table, seqlens_k, o_part, lse, slopes, float(scale), q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), block_table.stride(0), o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse.stride(0), lse.stride(1), PAGE=page, GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), D=dim,
-        PART=part, BLOCK_T=BLOCK_T, DOT_F32=os.environ.get("TRITON_INTERPRET") == "1", num_warps=4)
+        PART=part, BLOCK_T=BLOCK_T, DOT_F32=os.environ.get("TRITON_INTERPRET") == "1", ALIBI=alibi, num_warps=4)
     combine_kernel[(n, heads)](o_part, lse, y, splits, o_part.stride(0), o_part.stride(1), o_part.stride(2),
                                lse.stride(0), lse.stride(1), y.stride(0), y.stride(1),
                                S_PAD=max(2, triton.next_power_of_2(splits)), D=dim, num_warps=4)

@@ -1,8 +1,8 @@
 """`generate` on megatron-core's dynamic inference engine (`DynamicInferenceEngine` over a
 `DynamicInferenceContext`): continuous batching over a paged KV cache sized by `plan_engine`, CUDA graphs on
 a GPU (`set_inference_cuda_graphs`), stop strings through the controller's stop-word callback, the engine
-kept between calls while it fits (`release_engine` frees it). TP, PP and EP; not ALiBi or multi-latent
-attention (`unsupported_attention`)."""
+kept between calls while it fits (`release_engine` frees it). TP, PP and EP; ALiBi through the
+`alibi_paged_attention` patch; not multi-latent attention (`unsupported_attention`)."""
 
 from __future__ import annotations
 
@@ -157,10 +157,14 @@ def plan_engine(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, ma
         raise ValueError("CUDA graphs need a GPU")
     from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
 
+    from megatron_patch.models.modules.alibi import has_alibi
+
     return EnginePlan(max_requests=n, bounded=n < len(prompts), max_sequence_length=longest + max_new_tokens,
                       max_tokens=max(DynamicInferenceContext.DEFAULT_MAX_TOKENS, longest, n),
                       kv_cache_gb=budget / 1024 ** 3, cuda_graphs=cuda_graphs,
-                      non_decode_graphs=not patches.attends_in_torch(model.config.params_dtype),
+                      # (attention in torch reads the prompts' lengths on the host: decode-only graphs only)
+                      non_decode_graphs=not (patches.attends_in_torch(model.config.params_dtype)
+                                             or has_alibi(model)),
                       async_scheduling=async_scheduling(), decode_gemv=wanted(DECODE_GEMV),
                       decode_attention=wanted(DECODE_ATTENTION), decode_rope=wanted(DECODE_ROPE))
 
@@ -184,18 +188,13 @@ def wanted(switch: bool | None) -> bool:
 def unsupported_attention(model) -> str | None:
     """Why megatron-core's dynamic engine cannot run this model's attention, or None. The engine attends
     through its own paged-KV kernel (`Attention.flash_decode_and_prefill`), not the layer's core
-    attention, so attention that lives in the core attention is lost there: ALiBi biases
-    (`models/modules/alibi.py`: Bloom, Baichuan-13B); multi-latent attention needs megatron-core's
-    cached-latent FlashMLA path (DeepSeek)."""
+    attention: ALiBi biases are added there by the `alibi_paged_attention` patch; multi-latent attention
+    needs megatron-core's cached-latent FlashMLA path (DeepSeek)."""
     from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
-
-    from megatron_patch.models.modules.alibi import AlibiDotProductAttention
 
     for m in model.modules():
         if isinstance(m, MultiLatentAttention):
             return "multi-latent attention (it needs megatron-core's cached-latent FlashMLA kernels)"
-        if isinstance(m, AlibiDotProductAttention) or getattr(m, "alibi_slopes", None) is not None:
-            return "ALiBi attention (the engine's paged attention adds no position bias)"
     return None
 
 
@@ -206,6 +205,7 @@ def generate_dynamic(model, tokenizer, prompts: list[list[int]], sampling: Sampl
     import torch
 
     from megatron_patch import patches
+    from megatron_patch.models.modules.alibi import has_alibi
 
     why = unsupported_attention(model)
     if why is not None:
@@ -218,7 +218,9 @@ def generate_dynamic(model, tokenizer, prompts: list[list[int]], sampling: Sampl
         with (patches.applied("decode_gemv") if plan.decode_gemv else contextlib.nullcontext(),
               patches.applied("split_kv_decode_attention") if plan.decode_attention else contextlib.nullcontext(),
               patches.applied("fused_decode_rope") if plan.decode_rope else contextlib.nullcontext(),
-              patches.applied("sampling_without_stream_sync") if SAMPLING_NO_SYNC else contextlib.nullcontext()):
+              patches.applied("sampling_without_stream_sync") if SAMPLING_NO_SYNC else contextlib.nullcontext(),
+              # last: ALiBi layers attend with their bias before any other paged attention sees them
+              patches.applied("alibi_paged_attention") if has_alibi(model) else contextlib.nullcontext()):
             engine = _Engines.get(model, tokenizer, plan)
             return _run(engine, tokenizer, prompts, sampling, on_tokens)
 

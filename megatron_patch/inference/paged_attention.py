@@ -10,15 +10,17 @@ import torch
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, kv_len: torch.Tensor,
-            scale: float, window: tuple[int, int] | None, sink: torch.Tensor | None) -> torch.Tensor:
+           scale: float, window: tuple[int, int] | None, sink: torch.Tensor | None,
+           slopes: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of queries [n, s, h, d] at positions `q_pos` [n, s] over keys / values
     [n, L, hk, d] of which the first `kv_len` [n] are real: key j is seen by a query at position i when
     j <= i, j < kv_len and, with a sliding `window` (left, right), j >= i - left. Grouped queries: head
     g * (h / hk) + r reads KV head g (megatron-core's layout), without copying K and V per head.
     softmax(q k^T * scale) v with the softmax in fp32 (products in the inputs' dtype, as flash-attn);
     a per-head `sink` logit [h] joins each softmax's denominator (megatron-core's off-by-one / learnable
-    softmax). Keys past `kv_len` may be any bits (unwritten cache): they are masked and their values
-    zeroed. A query that sees nothing gets 0."""
+    softmax). ALiBi `slopes` [h] (fp32) add slope_h * (j - i) to the scaled score of query i on key j
+    (`models/modules/alibi.py`). Keys past `kv_len` may be any bits (unwritten cache): they are masked and
+    their values zeroed. A query that sees nothing gets 0."""
     n, s, h, d = q.shape
     hk = k.shape[2]
     k_pos = torch.arange(k.shape[1], device=q.device)
@@ -28,6 +30,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tenso
         seen &= k_pos[None, None, :] >= q_pos[:, :, None] - window[0]
     groups = q.reshape(n, s, hk, h // hk, d)
     scores = torch.einsum("nskgd,nlkd->nkgsl", groups, k).float() * scale
+    if slopes is not None:
+        distance = (k_pos[None, None, :] - q_pos[:, :, None]).float()  # [n, s, L]
+        scores = scores + slopes.to(q.device, torch.float32).view(hk, h // hk)[None, :, :, None, None] * \
+            distance[:, None, None]
     scores = scores.masked_fill(~seen[:, None, None], float("-inf"))
     if sink is not None:
         logits = sink.float().view(hk, h // hk)[None, :, :, None, None].expand(n, hk, h // hk, s, 1)
@@ -52,6 +58,9 @@ def flash_decode_and_prefill(self, q, k, v, max_seqlen_q, max_seqlen_k, cu_seqle
     host synchronisation: CUDA-graph capturable); other steps attend request by request."""
     from megatron.core.transformer.utils import is_layer_window_attention
 
+    from megatron_patch.models.modules.alibi import layer_slopes
+
+    slopes = layer_slopes(self.core_attention)
     window = (self.config.window_size if is_layer_window_attention(
         self.config.window_size, self.config.window_attn_skip_freq, self.layer_number) else None)
     scale = getattr(self, "softmax_scale", None) or q.shape[-1] ** -0.5
@@ -60,7 +69,8 @@ def flash_decode_and_prefill(self, q, k, v, max_seqlen_q, max_seqlen_k, cu_seqle
         s = q.shape[0] // n
         keys, values = k[block_table].flatten(1, 2), v[block_table].flatten(1, 2)  # [n, blocks * size, hk, d]
         q_pos = seqlens_k[:, None] - s + torch.arange(s, device=q.device)[None, :]
-        out = attend(q.reshape(n, s, *q.shape[2:]), keys, values, q_pos, seqlens_k, scale, window, softmax_offset)
+        out = attend(q.reshape(n, s, *q.shape[2:]), keys, values, q_pos, seqlens_k, scale, window, softmax_offset,
+                     slopes)
         return out.reshape(n * s, 1, *out.shape[2:])
     q = q.squeeze(1)
     out = torch.zeros_like(q)  # padding tokens past the last request stay 0
@@ -75,5 +85,5 @@ def flash_decode_and_prefill(self, q, k, v, max_seqlen_q, max_seqlen_k, cu_seqle
         values = v[blocks].flatten(0, 1)[None, :kv_len]
         q_pos = (kv_len - (last - first) + torch.arange(last - first, device=q.device))[None]
         out[first:last] = attend(q[None, first:last], keys, values, q_pos, seqlens_k[r: r + 1], scale, window,
-                                  softmax_offset)[0]
+                                 softmax_offset, slopes)[0]
     return out.unsqueeze(1)

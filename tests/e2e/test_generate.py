@@ -488,31 +488,74 @@ def test_engine_is_kept_between_calls_and_inference_mode_cleared(setup):
     assert dynamic._Engines.engine is None
 
 
-@pytest.mark.parametrize("variant, why", [("bloom", "ALiBi attention"), ("deepseek_v3", "multi-latent attention")])
-def test_attention_the_dynamic_engine_lacks_runs_on_the_static_one(variant, why, cpu_megatron):
-    """megatron-core's dynamic engine attends through its own paged kernel, not the layer's core
-    attention: ALiBi (Bloom) would silently lose its position bias and multi-latent attention needs
-    FlashMLA. Asked for, it says so; the default engine generates these families on the static path,
-    greedy = transformers' generate."""
+def _hf_greedy(c, prompt: list[int], n: int) -> list[int]:
+    """The reference's greedy tokens: transformers' generate, or argmax over its logits token by token (the
+    ALiBi Baichuan reference is a module, not a transformers model)."""
+    with torch.no_grad():
+        if hasattr(c.ref, "generate"):
+            return c.ref.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                                  pad_token_id=0)[0, len(prompt):].tolist()
+        seq = list(prompt)
+        for _ in range(n):
+            seq.append(int(c.ref(torch.tensor([seq])).logits[0, -1].argmax()))
+        return seq[len(prompt):]
+
+
+def _converted(variant: str):
     from megatron_patch.conversion.engine import hf_to_megatron, load_rank_state_dict, make_plan
-    from megatron_patch.inference import Sampling, generate
     from megatron_patch.models import build_model
-    from megatron_patch.tokenizer import build_tokenizer
     from tests.models import case
 
     c = case(variant)
     model = build_model(c.cfg).eval()
     load_rank_state_dict(model, hf_to_megatron(make_plan(c.cfg), c.sd.__getitem__, c.sd.keys())[(0, 0, 0)])
+    return c, model
+
+
+def test_multi_latent_attention_runs_on_the_static_engine(cpu_megatron):
+    """megatron-core's dynamic engine attends through its own paged kernel, not the layer's core attention, and
+    multi-latent attention needs FlashMLA there. Asked for, it says so; the default engine generates DeepSeek
+    on the static path, greedy = transformers' generate."""
+    from megatron_patch.inference import Sampling, choose_engine, generate
+    from megatron_patch.tokenizer import build_tokenizer
+
+    c, model = _converted("deepseek_v3")
     tok = build_tokenizer(TINY_TOKENIZER)
-    with pytest.raises(ValueError, match=f"does not support {why} .*: use the static one"):
+    with pytest.raises(ValueError, match="does not support multi-latent attention .*: use the static one"):
         generate(model, tok, [[5, 6]], Sampling(2), engine="dynamic")
+    assert choose_engine(model) == "static"
     prompts = [[5, 6, 7], [9, 10, 11, 12, 13, 14]]
-    ours = generate(model, tok, prompts, Sampling(8, top_k=1))
-    for prompt, mine in zip(prompts, ours):
-        with torch.no_grad():
-            ref = c.ref.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
-                                 pad_token_id=0)[0, len(prompt):].tolist()
-        assert mine == ref, (variant, mine, ref)
+    for prompt, mine in zip(prompts, generate(model, tok, prompts, Sampling(8, top_k=1)), strict=True):
+        assert mine == _hf_greedy(c, prompt, 8), mine
+
+
+# (Bloom's tiny random model greedily picks the same tokens without the bias: the check that the bias matters runs
+# on Baichuan2-13B's)
+@pytest.mark.parametrize("variant, bias_decides", [("bloom", False), ("baichuan2_13b", True)])
+def test_alibi_runs_on_the_dynamic_engine(variant, bias_decides, cpu_megatron, monkeypatch):
+    """ALiBi (Bloom; Baichuan2-13B) on the dynamic engine, which `auto` now picks: the `alibi_paged_attention`
+    patch adds the bias in the engine's paged attention (the core attention, where training adds it, is
+    bypassed there). Greedy tokens = transformers' generate for prompts of mixed lengths (fp32 on CPU), through
+    prefill and decode steps; without the patch the engine's attention has no position bias and the tokens
+    part from HF's (here: the slopes hidden from the engine's paged attention)."""
+    from megatron_patch import patches
+    from megatron_patch.inference import Sampling, choose_engine, dynamic, generate
+    from megatron_patch.models.modules import alibi
+    from megatron_patch.tokenizer import build_tokenizer
+
+    c, model = _converted(variant)
+    tok = build_tokenizer(TINY_TOKENIZER)
+    assert alibi.has_alibi(model) and choose_engine(model) == "dynamic"
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19], [30]]
+    want = [_hf_greedy(c, p, 10) for p in prompts]
+    assert generate(model, tok, prompts, Sampling(10, top_k=1)) == want
+    assert not patches.is_active("alibi_paged_attention")  # applied for the call only
+    dynamic.release_engine()
+    if bias_decides:  # the engine's attention without the bias: other tokens
+        monkeypatch.setattr(alibi, "layer_slopes", lambda core_attention: None)
+        wrong = generate(model, tok, prompts, Sampling(10, top_k=1), engine="dynamic")
+        dynamic.release_engine()
+        assert wrong != want
 
 
 def test_stdin_prompts_under_torchrun_at_tp2(setup):

@@ -169,6 +169,15 @@ def test_decode_kernels_layers_and_greedy_tokens(trained, monkeypatch):
     report["attention"] = {"max_abs_diff": (y - ref).abs().max().item()}
     assert ((y - ref).abs() <= 2.0 ** -8 * values.abs().amax() + 2.0 ** -8 * ref.abs() + 1e-6).all()
     assert not y[3].any()
+    # with ALiBi slopes (the `alibi_paged_attention` patch's decode path: Bloom, Baichuan-13B)
+    from megatron_patch.models.modules.alibi import alibi_slopes
+
+    slopes = alibi_slopes(32).cuda()
+    y = decode_attention.decode_attention(q, k, v, table, lens, 128 ** -0.5, slopes).double()
+    ref = attend(q.double()[:, None], keys, values, (lens.long() - 1)[:, None], lens.long(), 128 ** -0.5, None,
+                 None, slopes)[:, 0]
+    report["attention_alibi"] = {"max_abs_diff": (y - ref).abs().max().item()}
+    assert ((y - ref).abs() <= 2.0 ** -8 * values.abs().amax() + 2.0 ** -8 * ref.abs() + 1e-6).all()
     freqs = rope_table(128, 8192, "cuda")
     positions = torch.tensor([0, 7, 1000, 8191], device="cuda")
     x = torch.randn(4, 1, 32, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -223,3 +232,40 @@ def test_decode_kernels_layers_and_greedy_tokens(trained, monkeypatch):
             launcher_calls=calls)
     for d in diffs:
         assert d["first_diff"] is None or d["hf_margin_at_diff"] < MARGIN[torch.bfloat16], d
+
+
+@pytest.mark.smoke
+def test_alibi_on_the_dynamic_engine_equals_hf(tmp_path):
+    """ALiBi on the dynamic engine on the GPU (the `alibi_paged_attention` patch: prompts in torch, decode steps on
+    the split-KV Triton kernel with the slopes, CUDA graphs of decode-only steps): a small Bloom (random weights,
+    8 heads of 32, Transformer Engine, bf16) generates HF bf16's greedy tokens (near-ties allowed, as above), with
+    CUDA graphs the same tokens as without, and `auto` picks the dynamic engine for it."""
+    from megatron_patch.inference import Sampling, choose_engine, generate, load_model
+    from megatron_patch.runtime.parallel import ensure_model_parallel
+    from megatron_patch.tokenizer import TINY_TOKENIZER, build_tokenizer
+    from tests.models import Case, any_config, checkpoint_state_dict, hf_model, save_case
+
+    ensure_model_parallel(1, 1)
+
+    cfg = {**any_config("bloom"), "hidden_size": 256}  # 8 heads of 32: a head dim the split-KV kernel takes
+    torch.manual_seed(0)
+    ref = hf_model(cfg)
+    c = Case(cfg, checkpoint_state_dict(ref), ref)
+    hf_dir = save_case(c, str(tmp_path / "bloom"))
+    model, _ = load_model(None, hf_dir, impl="transformer_engine", dtype=torch.bfloat16)
+    assert choose_engine(model) == "dynamic"
+    hf = c.ref.to("cuda", torch.bfloat16).eval()
+    prompts = [[5, 6, 7], list(range(20, 120)), [30, 31], list(range(200, 230))]
+    sampling, tok = Sampling(STEPS, top_k=1, stop_id=None), build_tokenizer(TINY_TOKENIZER)
+    on = generate(model, tok, prompts, sampling, cuda_graphs=True, engine="dynamic")
+    off = generate(model, tok, prompts, sampling, cuda_graphs=False, engine="dynamic")
+    rows = []
+    for prompt, mine in zip(prompts, on, strict=True):
+        ref, margins = hf_greedy(hf, prompt, "cuda")
+        first = next((i for i, (a, b) in enumerate(zip(mine, ref)) if a != b), None)
+        rows.append({"prompt_len": len(prompt), "identical": mine == ref, "first_diff": first,
+                     "hf_margin_at_diff": None if first is None else round(margins[first], 4)})
+    _record(test="alibi_dynamic_engine", prompts=rows, graphs_on_equals_off=on == off)
+    assert on == off
+    for r in rows:
+        assert r["identical"] or r["hf_margin_at_diff"] < MARGIN[torch.bfloat16], r

@@ -129,12 +129,17 @@ def test_cpu_training_apply_twice_and_undo():
     assert torch.ones(2).type() == "torch.FloatTensor"
 
 
-def _dense_attention(q, k, v, scale, window, sink):
-    """Reference: queries [s, h, d] at the last s positions of keys / values [L, hk, d], causal, in fp64."""
+def _dense_attention(q, k, v, scale, window, sink, slopes=None):
+    """Reference: queries [s, h, d] at the last s positions of keys / values [L, hk, d], causal, in fp64; ALiBi
+    `slopes` add `alibi.alibi_bias` (Bloom's bias, as the training path adds it)."""
+    from megatron_patch.models.modules.alibi import alibi_bias
+
     s_len, h, _ = q.shape
     L = k.shape[0]
     k, v = (t.double().repeat_interleave(h // t.shape[1], dim=1) for t in (k, v))
     scores = torch.einsum("shd,lhd->hsl", q.double(), k) * scale
+    if slopes is not None:
+        scores = scores + alibi_bias(slopes, s_len, L).double()
     i = torch.arange(L - s_len, L)[:, None]
     j = torch.arange(L)[None, :]
     seen = (j <= i) & ((j >= i - window[0]) if window else True)
@@ -144,22 +149,25 @@ def _dense_attention(q, k, v, scale, window, sink):
     return torch.einsum("hsl,lhd->shd", weights / total, v)
 
 
-@pytest.mark.parametrize("window, sink", [(None, False), ((3, 0), False), (None, True)])
-def test_paged_attention_in_torch_equals_dense_attention(window, sink):
+@pytest.mark.parametrize("window, sink, alibi", [(None, False, False), ((3, 0), False, False), (None, True, False),
+                                                 (None, False, True)])
+def test_paged_attention_in_torch_equals_dense_attention(window, sink, alibi):
     """The torch stand-in for megatron-core's paged flash-attention (`paged_attention_in_torch`) equals
     plain causal attention over each request's whole sequence to 1e-6 (fp32, max |difference|), on a
     mixed prefill step (a whole prompt, a prompt continued after cached tokens, a request in decode) and
     on a decode-only step with padding rows; grouped queries (8 heads over 2 KV heads), pages of 4
-    tokens handed out out of order, a sliding window, a sink logit. Cache pages nobody wrote hold NaN:
-    they must not leak."""
+    tokens handed out out of order, a sliding window, a sink logit, ALiBi slopes on the layer's core attention
+    (the `alibi_paged_attention` patch's path). Cache pages nobody wrote hold NaN: they must not leak."""
     from types import SimpleNamespace
 
     from megatron_patch.inference.paged_attention import flash_decode_and_prefill
+    from megatron_patch.models.modules.alibi import alibi_slopes
 
     torch.manual_seed(0)
     h, hk, d, page, pages = 8, 2, 16, 4, 12
+    slopes = alibi_slopes(h) if alibi else None
     layer = SimpleNamespace(config=SimpleNamespace(window_size=window, window_attn_skip_freq=None), layer_number=1,
-                            softmax_scale=None)
+                            softmax_scale=None, core_attention=SimpleNamespace(alibi_slopes=slopes))
     sink_logits = torch.randn(h) if sink else None
     k_cache = torch.full((pages, page, hk, d), float("nan"))
     v_cache = torch.full((pages, page, hk, d), float("nan"))
@@ -179,7 +187,8 @@ def test_paged_attention_in_torch_equals_dense_attention(window, sink):
     out = flash_decode_and_prefill(layer, q, k_cache, v_cache, 7, 9, cu_q, None, torch.tensor(lengths), block_table,
                                    False, sink_logits)
     for r in range(3):
-        want = _dense_attention(q[cu_q[r]: cu_q[r + 1], 0], full_k[r], full_v[r], d ** -0.5, window, sink_logits)
+        want = _dense_attention(q[cu_q[r]: cu_q[r + 1], 0], full_k[r], full_v[r], d ** -0.5, window, sink_logits,
+                                slopes)
         assert (out[cu_q[r]: cu_q[r + 1], 0].double() - want).abs().max() < 1e-6
     assert torch.equal(out[11:], torch.zeros(2, 1, h, d))
     # decode only: one new token per request, plus a padding row (no pages, length 0)
@@ -188,7 +197,7 @@ def test_paged_attention_in_torch_equals_dense_attention(window, sink):
     out = flash_decode_and_prefill(layer, q, k_cache, v_cache, 1, 9, None, None, torch.tensor(lengths + [0]),
                                    table, True, sink_logits)
     for r in range(3):
-        want = _dense_attention(q[r: r + 1, 0], full_k[r], full_v[r], d ** -0.5, window, sink_logits)
+        want = _dense_attention(q[r: r + 1, 0], full_k[r], full_v[r], d ** -0.5, window, sink_logits, slopes)
         assert (out[r, 0].double() - want[0]).abs().max() < 1e-6
     assert torch.isfinite(out).all()
 

@@ -126,16 +126,21 @@ def test_gemv_serves_only_decode_sized_plain_calls_outside_fp8():
     assert not patches._gemv_serves(cuda, w, 1, off)  # autograd on
 
 
-@pytest.mark.parametrize("requests, heads, kv_heads, dim, page, lengths", [
-    (3, 8, 2, 32, 64, [1, 200, 0]),  # a single key, several pages, a padding row
-    (1, 4, 4, 64, 128, [500]),  # one request: many splits of one tile each
-    (2, 32, 8, 128, 256, [257, 1024]),  # Llama-3-8B's heads, megatron's 256-token pages, a full table
+@pytest.mark.parametrize("requests, heads, kv_heads, dim, page, lengths, alibi", [
+    (3, 8, 2, 32, 64, [1, 200, 0], False),  # a single key, several pages, a padding row
+    (1, 4, 4, 64, 128, [500], False),  # one request: many splits of one tile each
+    (2, 32, 8, 128, 256, [257, 1024], False),  # Llama-3-8B's heads, megatron's 256-token pages, a full table
+    (3, 8, 2, 32, 64, [1, 200, 0], True),  # ALiBi (Bloom, Baichuan-13B): 8 heads' slopes
+    (2, 12, 12, 64, 64, [77, 250], True),  # ALiBi with a head count that is not a power of two
 ])
-def test_split_kv_decode_attention_equals_float64(interpreted, requests, heads, kv_heads, dim, page, lengths):
-    """Every split and the combine: equal to softmax(q k^T / sqrt(d)) v in float64 over each request's pages in
-    its block-table order, within the bf16 rounding of the probabilities before P V (as flash-attn rounds
-    them: 2^-8 of max |v|) and of the output (one bf16 step under the interpreter, which truncates); a padding
-    row (length 0) gives 0."""
+def test_split_kv_decode_attention_equals_float64(interpreted, requests, heads, kv_heads, dim, page, lengths,
+                                                  alibi):
+    """Every split and the combine: equal to softmax(q k^T / sqrt(d) [+ ALiBi]) v in float64 over each request's
+    pages in its block-table order, within the bf16 rounding of the probabilities before P V (as flash-attn
+    rounds them: 2^-8 of max |v|) and of the output (one bf16 step under the interpreter, which truncates); a
+    padding row (length 0) gives 0."""
+    from megatron_patch.models.modules.alibi import alibi_slopes
+
     g = torch.Generator().manual_seed(sum(lengths) + heads)
     blocks = 4
     pool = requests * blocks + 3
@@ -145,9 +150,11 @@ def test_split_kv_decode_attention_equals_float64(interpreted, requests, heads, 
     lens = torch.tensor(lengths, dtype=torch.int32)
     q = torch.randn(requests, heads, dim, generator=g).to(torch.bfloat16)
     scale = dim ** -0.5
-    y = decode_attention.decode_attention(q, k, v, table, lens, scale)
+    slopes = alibi_slopes(heads) if alibi else None
+    y = decode_attention.decode_attention(q, k, v, table, lens, scale, slopes)
     keys, values = k[table.long()].flatten(1, 2).double(), v[table.long()].flatten(1, 2).double()
-    ref = attend(q.double()[:, None], keys, values, (lens.long() - 1)[:, None], lens.long(), scale, None, None)[:, 0]
+    ref = attend(q.double()[:, None], keys, values, (lens.long() - 1)[:, None], lens.long(), scale, None, None,
+                 slopes)[:, 0]
     bound = 2.0 ** -8 * values.abs().amax() + 2.0 ** -7 * ref.abs() + 1e-6
     assert y.shape == q.shape and y.dtype == q.dtype
     assert ((y.double() - ref).abs() <= bound).all()

@@ -64,6 +64,21 @@ class _AlibiSoftmax(torch.nn.Module):
         return self.inner(scores + bias, mask, softmax_offset)
 
 
+def layer_slopes(core_attention) -> torch.Tensor | None:
+    """The ALiBi slopes of a layer's core attention (this rank's heads, fp32), or None for attention without
+    ALiBi: what the dynamic inference engine's paged attention adds, which bypasses the core attention
+    (`megatron_patch.patches` `alibi_paged_attention`)."""
+    slopes = getattr(core_attention, "alibi_slopes", None)  # AlibiTEDotProductAttention
+    if slopes is None and isinstance(getattr(core_attention, "scale_mask_softmax", None), _AlibiSoftmax):
+        slopes = core_attention.scale_mask_softmax.slopes
+    return slopes
+
+
+def has_alibi(model) -> bool:
+    """Whether any layer of `model` attends with ALiBi."""
+    return any(layer_slopes(m) is not None for m in model.modules())
+
+
 class AlibiDotProductAttention(DotProductAttention):
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
