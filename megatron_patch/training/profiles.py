@@ -24,7 +24,7 @@ _UNCHECKED = (("check_for_nan_in_loss_and_grad", False, "--no-check-for-nan-in-l
 # fp8 over cuDNN's fused attention (whose backward is 3x its forward), losses within 3e-4 / 3.2e-3 over 20
 # iterations (docs/benchmarks.md, 2026-12-03). Where it was measured only: plain causal softmax attention.
 FLASH_HEAD_DIMS = (64, 128)
-_BACKEND_VARIABLES = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
+BACKEND_VARIABLES = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
 
 
 def flash_attention_suits(args: argparse.Namespace, model: Mapping[str, Any]) -> bool:
@@ -40,7 +40,7 @@ def flash_attention_suits(args: argparse.Namespace, model: Mapping[str, Any]) ->
             and model.get("window_size") is None and not model.get("multi_latent_attention")
             and model.get("softmax_type", "vanilla") == "vanilla" and not args.attention_dropout
             and not getattr(args, "fp8_dot_product_attention", False) and heads in FLASH_HEAD_DIMS
-            and not any(v in os.environ for v in _BACKEND_VARIABLES))
+            and not any(v in os.environ for v in BACKEND_VARIABLES))
 
 
 def te_runs_fa4_on_hopper() -> bool:

@@ -52,6 +52,7 @@ def train(out: str, name: str, nproc: int, data: str | None, model: list[str], i
     OUT/NAME.log. Returns rc, the losses by iteration, the median ms per iteration and, when it failed, the
     log's tail."""
     from megatron_patch.tokenizer import TINY_TOKENIZER
+    from megatron_patch.training.profiles import BACKEND_VARIABLES
 
     if data is None:
         data_args = ["--mock-data"]
@@ -66,7 +67,10 @@ def train(out: str, name: str, nproc: int, data: str | None, model: list[str], i
            "--eval-interval", "100000", "--seed", "1234", "--no-gradient-accumulation-fusion",
            "--make-vocab-size-divisible-by", "4", "--data-cache-path", os.path.join(out, "cache"),
            "--transformer-impl", "transformer_engine", "--precision", "bf16", *extra]
-    env = {**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+    # without the NVTE_*_ATTN variables megatron-core sets in a process that built a model (to 1 for its automatic
+    # backend: an earlier test in this one): a run with --attention-backend fused would refuse them, and the
+    # throughput profile leaves a user's variables alone (`training.profiles.flash_attention_suits`)
+    env = {**{k: v for k, v in os.environ.items() if k not in BACKEND_VARIABLES}, "CUDA_DEVICE_MAX_CONNECTIONS": "1",
            "PYTHONPATH": ROOT + ":" + os.environ.get("PYTHONPATH", "")}
     with open(os.path.join(out, f"{name}.log"), "w") as log:
         p = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)

@@ -29,7 +29,7 @@ def _run(variant: str = "gqa", **overrides) -> tuple[argparse.Namespace, dict]:
 
 @pytest.mark.parametrize("variant", ["gqa", "mha", "qwen2", "mixtral", "gpt_neox", "starcoder"])
 def test_plain_causal_attention_suits(variant, monkeypatch):
-    for name in profiles._BACKEND_VARIABLES:
+    for name in profiles.BACKEND_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     assert profiles.flash_attention_suits(*_run(variant))
 
@@ -48,7 +48,7 @@ def test_plain_causal_attention_suits(variant, monkeypatch):
     ("gqa", {}, {"softmax_type": "learnable"}),           # attention sinks
 ])
 def test_other_attention_keeps_megatrons_choice(variant, overrides, model, monkeypatch):
-    for name in profiles._BACKEND_VARIABLES:
+    for name in profiles.BACKEND_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     args, kwargs = _run(variant, **overrides)
     assert not profiles.flash_attention_suits(args, {**kwargs, **model})
@@ -67,7 +67,7 @@ def test_users_nvte_variable_keeps_megatrons_choice(monkeypatch):
     (False, "default", set(), AttnBackend.auto),                    # no FA4 / not Hopper
 ])
 def test_profile_sets_flash_only_with_fa4_on_hopper(fa4, profile, given, expected, monkeypatch):
-    for name in profiles._BACKEND_VARIABLES:
+    for name in profiles.BACKEND_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(profiles, "te_runs_fa4_on_hopper", lambda: fa4)
     args, model = _run(throughput_profile=profile)
