@@ -477,6 +477,17 @@ def fa4_window(window):
 TE_FA4_NAMES = ("flash_attn_func_v4", "flash_attn_varlen_func_v4", "_flash_attn_fwd_v4", "_flash_attn_bwd_v4")
 
 
+def te_flash_backends():
+    """Transformer Engine's attention backends module (`TE_FLASH_BACKENDS`, where TE looks up FA4's functions,
+    `TE_FA4_NAMES`: None where TE found no FA4), or None: no TE, TE without its CUDA libraries, an older layout."""
+    if importlib.util.find_spec("transformer_engine") is None:
+        return None
+    try:
+        return importlib.import_module(TE_FLASH_BACKENDS)
+    except Exception:
+        return None
+
+
 @register("te_fa4_causal_window", ">=0.18.2,<0.20")
 def _te_fa4_causal_window() -> Callable[[], None] | None:
     """Transformer Engine's FlashAttention-4 calls with FA4's window sentinel, so that causal attention attends.
@@ -495,11 +506,8 @@ def _te_fa4_causal_window() -> Callable[[], None] | None:
     unbounded; sliding windows (sides >= 0) pass unchanged. Applies where TE is installed and found FA4 (its
     names not None), for as long as the process builds models (`models.build.model_class_parts`); elsewhere it
     does nothing. megatron-core's own FA4 calls (the dynamic engine's paged attention) pass no window."""
-    if importlib.util.find_spec("transformer_engine") is None:
-        return None
-    try:
-        backends = importlib.import_module(TE_FLASH_BACKENDS)
-    except Exception:  # TE without its CUDA libraries, or an older layout: nothing of ours to fix
+    backends = te_flash_backends()
+    if backends is None:  # nothing of ours to fix
         return None
 
     def with_fa4_window(original):

@@ -86,6 +86,7 @@ class EnginePlan:
     decode_gemv: bool = False  # the decode_gemv patch (DECODE_GEMV): the CUDA graphs hold its kernels
     decode_attention: bool = False  # the split_kv_decode_attention patch (DECODE_ATTENTION): likewise
     decode_rope: bool = False  # the fused_decode_rope patch (DECODE_ROPE): likewise
+    alibi: bool = False  # the model attends with ALiBi: the alibi_paged_attention patch (decode-only graphs)
 
     def covers(self, other: EnginePlan) -> bool:
         """An engine built for this plan serves `other` as well: the same graphs, at least as much room, and
@@ -159,14 +160,14 @@ def plan_engine(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, ma
 
     from megatron_patch.models.modules.alibi import has_alibi
 
+    alibi = has_alibi(model)
     return EnginePlan(max_requests=n, bounded=n < len(prompts), max_sequence_length=longest + max_new_tokens,
                       max_tokens=max(DynamicInferenceContext.DEFAULT_MAX_TOKENS, longest, n),
                       kv_cache_gb=budget / 1024 ** 3, cuda_graphs=cuda_graphs,
                       # (attention in torch reads the prompts' lengths on the host: decode-only graphs only)
-                      non_decode_graphs=not (patches.attends_in_torch(model.config.params_dtype)
-                                             or has_alibi(model)),
+                      non_decode_graphs=not (patches.attends_in_torch(model.config.params_dtype) or alibi),
                       async_scheduling=async_scheduling(), decode_gemv=wanted(DECODE_GEMV),
-                      decode_attention=wanted(DECODE_ATTENTION), decode_rope=wanted(DECODE_ROPE))
+                      decode_attention=wanted(DECODE_ATTENTION), decode_rope=wanted(DECODE_ROPE), alibi=alibi)
 
 
 def async_scheduling() -> bool:
@@ -205,7 +206,6 @@ def generate_dynamic(model, tokenizer, prompts: list[list[int]], sampling: Sampl
     import torch
 
     from megatron_patch import patches
-    from megatron_patch.models.modules.alibi import has_alibi
 
     why = unsupported_attention(model)
     if why is not None:
@@ -220,7 +220,7 @@ def generate_dynamic(model, tokenizer, prompts: list[list[int]], sampling: Sampl
               patches.applied("fused_decode_rope") if plan.decode_rope else contextlib.nullcontext(),
               patches.applied("sampling_without_stream_sync") if SAMPLING_NO_SYNC else contextlib.nullcontext(),
               # last: ALiBi layers attend with their bias before any other paged attention sees them
-              patches.applied("alibi_paged_attention") if has_alibi(model) else contextlib.nullcontext()):
+              patches.applied("alibi_paged_attention") if plan.alibi else contextlib.nullcontext()):
             engine = _Engines.get(model, tokenizer, plan)
             return _run(engine, tokenizer, prompts, sampling, on_tokens)
 

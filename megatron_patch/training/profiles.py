@@ -46,19 +46,14 @@ def flash_attention_suits(args: argparse.Namespace, model: Mapping[str, Any]) ->
 def te_runs_fa4_on_hopper() -> bool:
     """Whether this machine's GPU is a Hopper (SM90, where FA4 through TE was measured) and Transformer Engine
     found FlashAttention-4 (`patches.TE_FA4_NAMES` bound in its backends module)."""
-    import importlib
-
     import torch
 
-    from megatron_patch.patches import TE_FA4_NAMES, TE_FLASH_BACKENDS
+    from megatron_patch.patches import TE_FA4_NAMES, te_flash_backends
 
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         return False
-    try:
-        backends = importlib.import_module(TE_FLASH_BACKENDS)
-    except Exception:  # no TE, or TE without its CUDA libraries
-        return False
-    return getattr(backends, TE_FA4_NAMES[0], None) is not None
+    backends = te_flash_backends()
+    return backends is not None and getattr(backends, TE_FA4_NAMES[0], None) is not None
 
 
 def apply_throughput_profile(args: argparse.Namespace, given: set[str], model: Mapping[str, Any] | None = None) -> dict:
