@@ -127,9 +127,14 @@ def build_corpus(out: str, tokenizer: str, min_tokens: int, workers: int = 1,
     used = gather(jsonl, sources() if source_list is None else source_list)
     summary = preprocess([jsonl], os.path.join(out, "corpus"), tokenizer, workers=workers, append_eod=True,
                          overwrite=True)
+    digest = hashlib.sha256()
+    with open(jsonl, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    # the hash proves that runs made on different visits (a fresh machine each) trained on the same documents
     report = {"tokenizer": os.path.abspath(tokenizer), "documents": summary["documents"],
               "tokens": summary["tokens"], "bytes": sum(s["bytes"] for s in used.values()),
-              "held_out_split": HELD_OUT, "sources": used}
+              "sha256": digest.hexdigest(), "held_out_split": HELD_OUT, "sources": used}
     with open(os.path.join(out, "corpus.json"), "w") as f:
         json.dump(report, f, indent=1)
     if summary["tokens"] < min_tokens:
@@ -317,6 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.command == "corpus":
         report = build_corpus(a.out, a.tokenizer, a.min_tokens, a.workers)
         print(json.dumps({k: v for k, v in report.items() if k != "sources"} | {"sources": len(report["sources"])}))
+        if os.environ.get("OUT"):  # on the GPU machine: the record of the corpus comes back with the call's files
+            with open(os.path.join(os.environ["OUT"], "corpus.json"), "w") as f:
+                json.dump(report, f, indent=1)
         return 0
     if a.command == "train":
         corpus = json.load(open(os.path.join(a.out, "corpus.json")))

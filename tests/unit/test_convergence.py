@@ -91,6 +91,9 @@ def test_corpus_one_document_per_distinct_file_with_licences(conv, tmp_path):
     assert report["tokens"] > 100
     assert os.path.isfile(tmp_path / "out" / "corpus_text_document.bin")
     assert json.load(open(tmp_path / "out" / "corpus.json"))["held_out_split"] == "98,2,0"
+    again = conv.build_corpus(str(tmp_path / "again"), TINY_TOKENIZER, min_tokens=10, workers=1,
+                              source_list=[("pkg", "MIT", files[::-1])])
+    assert again["sha256"] == report["sha256"] and len(report["sha256"]) == 64  # same files, any order: same corpus
     with pytest.raises(ValueError, match=r"fewer than --min-tokens 1,000,000,000"):
         conv.build_corpus(str(tmp_path / "out2"), TINY_TOKENIZER, min_tokens=10**9, source_list=[("pkg", "MIT", files)])
 
