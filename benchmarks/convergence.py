@@ -128,10 +128,8 @@ def build_corpus(out: str, tokenizer: str, min_tokens: int, workers: int = 1,
     used = gather(jsonl, sources() if source_list is None else source_list)
     summary = preprocess([jsonl], os.path.join(out, "corpus"), tokenizer, workers=workers, append_eod=True,
                          overwrite=True)
-    digest = hashlib.sha256()
     with open(jsonl, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
+        digest = hashlib.file_digest(f, "sha256")
     # the hash proves that runs made on different visits (a fresh machine each) trained on the same documents
     report = {"tokenizer": os.path.abspath(tokenizer), "documents": summary["documents"],
               "tokens": summary["tokens"], "bytes": sum(s["bytes"] for s in used.values()),
@@ -153,6 +151,11 @@ def model_config(model: str, vocab_size: int) -> dict:
             "tie_word_embeddings": "num_local_experts" not in shape, "bos_token_id": 0, "eos_token_id": 0, **shape}
 
 
+def iterations(tokens: int) -> int:
+    """Whole optimizer steps of SEQ * GBS tokens in `tokens` (at least one)."""
+    return max(1, tokens // (SEQ * GBS))
+
+
 def train_command(out: str, run: str, tokens: int, gpus: int, tokenizer: str, vocab_size: int,
                   save_every: int, until_tokens: int | None = None, minutes: int | None = None) -> list[str]:
     model, flags = RUNS[run]
@@ -160,8 +163,8 @@ def train_command(out: str, run: str, tokens: int, gpus: int, tokenizer: str, vo
     os.makedirs(os.path.dirname(config), exist_ok=True)
     with open(config, "w") as f:
         json.dump(model_config(model, vocab_size), f)
-    iters = max(1, tokens // (SEQ * GBS))
-    stop = [] if until_tokens is None else ["--exit-interval", str(max(1, until_tokens // (SEQ * GBS)))]
+    iters = iterations(tokens)
+    stop = [] if until_tokens is None else ["--exit-interval", str(iterations(until_tokens))]
     if minutes is not None:  # Megatron saves and exits once the process has run so long (start-up included)
         stop += ["--exit-duration-in-mins", str(minutes)]
     ckpt = os.path.join(out, "ckpt", run)
@@ -360,8 +363,9 @@ def main(argv: list[str] | None = None) -> int:
         report = build_corpus(a.out, a.tokenizer, a.min_tokens, a.workers)
         print(json.dumps({k: v for k, v in report.items() if k != "sources"} | {"sources": len(report["sources"])}))
         if os.environ.get("OUT"):  # on the GPU machine: the record of the corpus comes back with the call's files
-            with open(os.path.join(os.environ["OUT"], "corpus.json"), "w") as f:
-                json.dump(report, f, indent=1)
+            import shutil
+
+            shutil.copyfile(os.path.join(a.out, "corpus.json"), os.path.join(os.environ["OUT"], "corpus.json"))
         return 0
     if a.command == "train":
         corpus = json.load(open(os.path.join(a.out, "corpus.json")))
@@ -374,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         from train_bench import run_env  # beside this script
 
         env = run_env()
-        iters = max(1, a.tokens // (SEQ * GBS))
+        ckpt = os.path.join(a.out, "ckpt", a.run)  # train_command's --save / --load
         with open(log_path, "a") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
             while True:  # a progress line a minute; old checkpoints removed as new ones land
@@ -383,11 +387,11 @@ def main(argv: list[str] | None = None) -> int:
                     break
                 except subprocess.TimeoutExpired:
                     pass
-                prune_checkpoints(os.path.join(a.out, "ckpt", a.run), a.keep_checkpoints)
-                line = progress_line(a.run, open(log_path).read(), iters)
+                prune_checkpoints(ckpt, a.keep_checkpoints)
+                line = progress_line(a.run, open(log_path).read(), iterations(a.tokens))
                 if line:
                     print(line, flush=True)
-        prune_checkpoints(os.path.join(a.out, "ckpt", a.run), a.keep_checkpoints)
+        prune_checkpoints(ckpt, a.keep_checkpoints)
         report = write_run(a.out, a.run, open(log_path).read())
         last = report["train"][-1] if report["train"] else {}
         print(json.dumps({"run": a.run, "rc": rc, "iterations": last.get("iteration"), "tokens": last.get("tokens"),
