@@ -14,6 +14,7 @@ import contextlib
 import functools
 import importlib
 import importlib.util
+import io
 import os
 import types
 from collections.abc import Callable, Iterator
@@ -524,6 +525,59 @@ def _te_fa4_causal_window() -> Callable[[], None] | None:
 
     targets = [(backends, name, with_fa4_window(fn)) for name in TE_FA4_NAMES
                if (fn := getattr(backends, name, None)) is not None]
+    return _swap(targets) if targets else None
+
+
+# where TE's `set_extra_state`s ask whether to unpickle (modules, fusible ops)
+TE_EXTRA_STATE_MODULES = ("transformer_engine.pytorch.module.base", "transformer_engine.pytorch.ops.op")
+@register("te_extra_state_safe_load", ">=0.18.2,<0.20")
+def _te_extra_state_safe_load() -> Callable[[], None] | None:
+    """Checkpoints of FP8 delayed-scaling runs load again, safely (resuming `--fp8-recipe delayed`, converting
+    such a checkpoint).
+
+    Transformer Engine pickles a module's delayed-scaling state (the recipe, scales and amax histories) into its
+    `_extra_state`. TE 2.20.x (`transformer_engine/pytorch/_extra_state.py`, `should_load_extra_state_pickle`,
+    called by `TransformerEngineBaseModule.set_extra_state` in `module/base.py`) refuses to unpickle it, since a
+    pickle can run code, unless NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1 allows every pickle: so a delayed-scaling
+    run saved by megatron-core could not be resumed (`error: Refusing to load pickled Transformer Engine extra
+    state for TERowParallelLinear`, the FP8 convergence run of 2026-12-04). megatron-core reads such state
+    safely only for its grouped linear layers (`TEGroupedLinear._decode_extra_state`, with its restricted
+    `megatron.core.safe_globals.SafeUnpickler`: tensors, their storages under `weights_only=True`, TE's recipe
+    classes, plain containers). Here, where TE refuses, the payload is read first by that same unpickler: one
+    that holds nothing else is let through to TE's own loader (the same bytes); any other raises a
+    `RuntimeError` naming the module and the global at fault. TE's other answers (nothing to load, the
+    user's NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1) are unchanged; the same holds for TE's fusible ops
+    (`ops/op.py`). Applies where TE has that check (TE 2.20), for as long as the process builds models
+    (`models.build.model_class_parts`)."""
+    if importlib.util.find_spec("transformer_engine") is None:
+        return None
+    from megatron.core.safe_globals import SafeUnpickler
+
+    def metadata_only(original):
+        @functools.wraps(original)
+        def should_load(data: bytes, context: str) -> bool:
+            try:
+                return original(data, context)
+            except RuntimeError:  # TE's refusal: let it through if it holds nothing but FP8 scaling metadata
+                try:
+                    SafeUnpickler(io.BytesIO(data)).load()
+                except Exception as e:
+                    why = (str(e).splitlines() or [type(e).__name__])[0]
+                    raise RuntimeError(f"{context}: Transformer Engine's extra state holds more than FP8 scaling "
+                                       f"metadata ({why}); not loaded (NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1 "
+                                       "loads it: only for a checkpoint you trust)") from e
+                return True
+
+        return should_load
+
+    targets = []
+    for where in TE_EXTRA_STATE_MODULES:
+        try:
+            module = importlib.import_module(where)
+        except Exception:  # TE without its CUDA libraries, an older layout
+            continue
+        if (original := getattr(module, "should_load_extra_state_pickle", None)) is not None:  # TE >= 2.20
+            targets.append((module, "should_load_extra_state_pickle", metadata_only(original)))
     return _swap(targets) if targets else None
 
 

@@ -24,10 +24,12 @@ def model_class_parts(model_class: str) -> tuple[Any, Any]:
     `hybrid.hybrid_model`; the `TransformerConfig` fields that class needs, a function of (hf_config, family)):
     what `build_model` and the training model provider both choose by the model class. Before either builds
     a model, Transformer Engine's FlashAttention-4 calls get FA4's causal window (patch `te_fa4_causal_window`;
-    TE's own call attends to nothing there, docs/design.md), left in place for the process."""
+    TE's own call attends to nothing there, docs/design.md) and TE loads FP8 delayed-scaling checkpoints
+    (patch `te_extra_state_safe_load`), left in place for the process."""
     if model_class not in MODEL_CLASSES:
         raise ValueError(f"model_class must be one of {MODEL_CLASSES}, got {model_class!r}")
     patches.apply("te_fa4_causal_window")  # a no-op without TE and FA4
+    patches.apply("te_extra_state_safe_load")  # a no-op without TE (or before TE 2.20)
     if model_class == "hybrid":
         from megatron_patch.models.hybrid import config_overrides, hybrid_model
 

@@ -178,3 +178,48 @@ def test_te_flash_attention_backend_matches_float64():
     if not str(rows["flash"].get("te_backend", {}).get("flash_attention_backend")).startswith("4"):
         pytest.skip(f"TE's flash backend did not run FlashAttention-4 (stage_wheels.sh fa4): {rows['flash']}")
     assert rows["flash"]["te_fa4_causal_window"] and rows["flash"]["ok"], rows["flash"]
+
+
+@pytest.mark.smoke
+def test_fp8_delayed_scaling_state_loads_under_the_patch(monkeypatch):
+    """Transformer Engine's delayed-scaling FP8 state (recipe, scales, amax histories: a module's
+    `_extra_state`) survives a save and a load: TE 2.20 refuses to unpickle it without
+    NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1 (a `--fp8-recipe delayed` run could not resume, 2026-12-04); under the
+    library's patch `te_extra_state_safe_load` (megatron-core's restricted unpickler first) it loads: scales and
+    amax histories bit-equal, and the next FP8 forward of both modules bit-equal."""
+    import transformer_engine.pytorch as te
+    from transformer_engine.common.recipe import DelayedScaling, Format
+
+    from megatron_patch import patches
+
+    name = "te_extra_state_safe_load"
+    monkeypatch.delenv("NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE", raising=False)
+    torch.manual_seed(0)
+    recipe = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=16)
+    saved, loaded = (te.Linear(256, 256, params_dtype=torch.bfloat16).cuda() for _ in range(2))
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        with te.fp8_autocast(enabled=True, fp8_recipe=recipe):
+            saved(x.requires_grad_()).float().square().mean().backward()
+    state = saved.state_dict()
+    was_active = patches.is_active(name)  # a model built earlier in this process applied it
+    patches.revert(name)
+    try:
+        with pytest.raises(RuntimeError, match="Refusing to load pickled"):
+            loaded.load_state_dict(state)
+        assert patches.apply(name)
+        loaded.load_state_dict(state)
+    finally:
+        if not was_active:
+            patches.revert(name)
+    meta = [(m.fp8_meta["scaling_fwd"], m.fp8_meta["scaling_bwd"]) for m in (saved, loaded)]
+    same = {f"{d}.{k}": torch.equal(getattr(meta[0][i], k), getattr(meta[1][i], k))
+            for i, d in enumerate(("fwd", "bwd")) for k in ("scale", "amax_history")}
+    with torch.no_grad(), te.fp8_autocast(enabled=True, fp8_recipe=recipe):
+        y_saved, y_loaded = saved(x), loaded(x)
+    _record(test="fp8_delayed_extra_state", **same, forward_equal=torch.equal(y_saved, y_loaded),
+            scale_fwd=saved.fp8_meta["scaling_fwd"].scale.tolist())
+    assert all(same.values()), same
+    assert not torch.equal(saved.fp8_meta["scaling_fwd"].amax_history, torch.zeros_like(
+        saved.fp8_meta["scaling_fwd"].amax_history))  # the state is not the initial one
+    assert torch.equal(y_saved, y_loaded)

@@ -20,6 +20,10 @@ def test_pretrain_bf16_fp8_resume_and_layouts(tmp_path):
     # difference is reported (fp8_vs_bf16_max_diff_last10), not bounded: 0.062 to 0.111 in the same healthy runs
     assert report["fp8_vs_bf16_rel_gap_last10"] <= 0.04, report["curves_every_10"]
     assert report["resume_max_diff"] <= 0.02  # bf16 kernels are not bitwise deterministic
+    # the delayed-scaling run resumes with its saved scales and amax histories (TE 2.20 refused to load them
+    # before the patch te_extra_state_safe_load): its losses follow the uninterrupted run's as bf16's do; FP8
+    # rounding of the same small kernel differences is coarser, hence twice bf16's bound (not yet measured)
+    assert report["fp8_resume_max_diff"] <= 0.04, report["runs"].get("fp8_resume")
     for key in ("tp2_vs_tp1_max_diff", "pp2_vs_tp1_max_diff"):
         if report[key] is not None:
             # bf16 rounding of differently split reductions (TP) and of the p2p activations (PP), over 20

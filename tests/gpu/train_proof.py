@@ -2,7 +2,8 @@
 bundled corpus with `python -m megatron_patch.pretrain` (Transformer Engine), and prints a JSON report:
 
 - bf16 and fp8 (hybrid, delayed) runs of ITERS iterations: the loss falls;
-- save at ITERS/2 and resume: the losses after the resume equal the uninterrupted run's;
+- save at ITERS/2 and resume (bf16; fp8 with delayed scaling, whose scaling state TE pickles: patch
+  `te_extra_state_safe_load`): the losses after the resume equal the uninterrupted run's;
 - TP=2 and PP=2 (when 2 GPUs are visible), started from the same HF weights as a TP=1 run: same losses
   within bf16 tolerance;
 - SFT with packing (`python -m megatron_patch.sft`, TE's THD attention) on synthetic chats: runs, loss falls.
@@ -122,7 +123,12 @@ def main() -> None:
     from_hf = ["--load-hf", hf_dir]
     short = max(20, n // 5)
     if "fp8" in a.only:
-        runs["fp8"] = train(out, "fp8", 1, data, scratch, n, "--precision", "fp8", "--fp8-recipe", "delayed")
+        fp8_flags = ["--precision", "fp8", "--fp8-recipe", "delayed"]
+        runs["fp8"] = train(out, "fp8", 1, data, scratch, n, *fp8_flags, "--save", os.path.join(out, "ck_fp8"),
+                            "--save-interval", str(half))
+        runs["fp8_resume"] = train(out, "fp8_resume", 1, data, scratch, n, *fp8_flags, "--load",
+                                   os.path.join(out, "ck_fp8"), "--ckpt-step", str(half), "--save",
+                                   os.path.join(out, "ck_fp8_resume"), "--save-interval", str(10 * n))
     if "layouts" in a.only:
         runs["hf_tp1"] = train(out, "hf_tp1", 1, data, from_hf, short)
     if "layouts" in a.only and torch.cuda.device_count() >= 2:
@@ -153,6 +159,8 @@ def main() -> None:
                             for k in ("bf16", "fp8") if k in runs},
         "resume_max_diff": compare(bf16, runs["bf16_resume"]["losses"], range(half + 1, n + 1)),
         "resume_iters": sorted(runs["bf16_resume"]["losses"])[:1] + sorted(runs["bf16_resume"]["losses"])[-1:],
+        "fp8_resume_max_diff": (compare(fp8, runs["fp8_resume"]["losses"], range(half + 1, n + 1))
+                                if "fp8_resume" in runs else None),
         "tp2_vs_tp1_max_diff": compare(tp1, runs.get("hf_tp2", empty)["losses"], range(1, short + 1)),
         "pp2_vs_tp1_max_diff": compare(tp1, runs.get("hf_pp2", empty)["losses"], range(1, short + 1)),
         "sft_loss_1_3_last3": [sum(runs.get("sft", empty)["losses"].get(i, 0) for i in (1, 2, 3)) / 3,
