@@ -49,6 +49,9 @@ MODELS = {  # LLaMA shape; embeddings tied as in Llama-3.2 (with a 129k vocabula
 # run name -> (model, Megatron flags); every run: bf16 weights and gradients, same seed, data and schedule
 RUNS: dict[str, tuple[str, list[str]]] = {
     "bf16": ("400m", ["--precision", "bf16"]),
+    # BF16 again from another seed (initialisation and data order): how far two BF16 runs part, the scale
+    # against which an FP8 - BF16 difference is read (Megatron takes the last --seed)
+    "bf16-seed2": ("400m", ["--precision", "bf16", "--seed", "4321"]),
     "fp8-delayed": ("400m", ["--precision", "fp8", "--fp8-recipe", "delayed"]),
     "fp8-tensorwise": ("400m", ["--precision", "fp8", "--fp8-recipe", "tensorwise"]),
     "fp8-blockwise": ("400m", ["--precision", "fp8", "--fp8-recipe", "blockwise"]),
@@ -255,14 +258,16 @@ def spikes(values: list[float], window: int = 20, factor: float = 1.3) -> list[i
 
 
 def summary(runs: dict[str, dict]) -> list[dict]:
-    """One row per run: final held-out loss, its difference to the BF16 run of the same model in percent,
+    """One row per run: final held-out loss, its difference in percent to the BF16 run of the same model at the
+    same iteration (paired: the same held-out batches; a run stopped early is compared where it stopped),
     training-loss spikes (iterations), median tokens/s and TFLOP/s per GPU."""
     rows = []
     for name, r in sorted(runs.items()):
         held = r["held_out"][-1]["loss"] if r["held_out"] else None
         base_name = {"400m": "bf16", "1b": "1b-bf16", "moe": "moe-bf16"}.get(r.get("model"), "bf16")
         base = runs.get(base_name)
-        base_held = base["held_out"][-1]["loss"] if base and base["held_out"] else None
+        base_held = (None if base is None or not r["held_out"] else
+                     {h["iteration"]: h["loss"] for h in base["held_out"]}.get(r["held_out"][-1]["iteration"]))
         losses = [row["loss"] for row in r["train"]]
         ms = sorted(row["ms"] for row in r["train"][len(r["train"]) // 2:] if "ms" in row)
         tflops = sorted(row["tflops"] for row in r["train"][len(r["train"]) // 2:] if "tflops" in row)

@@ -65,6 +65,20 @@ def test_summary_arithmetic_and_figures(conv, tmp_path):
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_partial_run_is_compared_at_its_own_last_evaluation(conv):
+    """A run stopped early (the FP8 delayed run of 2026-12-04 reached 331 of 610 iterations) is compared with
+    BF16's held-out loss at the same iteration, not with BF16's final one (which read +18.6%); without a BF16
+    evaluation at that iteration there is no figure."""
+    bf16 = _run("bf16", "400m", [5.0] * 60, 4.0)
+    bf16["held_out"].insert(0, {"iteration": 30, "tokens": 30 * 2048 * 32, "loss": 4.5})
+    rows = {r["run"]: r for r in conv.summary({"bf16": bf16, "fp8-delayed": _run("fp8-delayed", "400m", [5.0] * 30,
+                                                                                  4.59)})}
+    assert rows["fp8-delayed"]["vs_bf16_pct"] == pytest.approx(2.0)
+    rows = {r["run"]: r for r in conv.summary({"bf16": bf16, "fp8-delayed": _run("fp8-delayed", "400m", [5.0] * 20,
+                                                                                  4.59)})}
+    assert rows["fp8-delayed"]["vs_bf16_pct"] is None
+
+
 def test_plot_command_from_logged_json(conv, tmp_path, capsys):
     (tmp_path / "runs").mkdir()
     for name, held in (("bf16", 4.0), ("fp8-delayed", 4.01)):
@@ -115,6 +129,9 @@ def test_runs_use_the_same_seed_data_and_schedule(conv, tmp_path):
     assert timed[timed.index("--exit-duration-in-mins") + 1] == "8" and "--exit-duration-in-mins" not in base
     cfg = json.load(open(tmp_path / "runs" / "bf16.config.json"))
     assert cfg["hidden_size"] == 1024 and cfg["tie_word_embeddings"] is True
+    # the noise-floor run differs from bf16 by its seed alone (Megatron's argparse takes the last --seed)
+    seed2 = conv.train_command(str(tmp_path), "bf16-seed2", 20_000_000, 1, TINY_TOKENIZER, 1000, 100)
+    assert seed2[-2:] == ["--seed", "4321"] and common(seed2)[:-2] == common(base)
 
 
 def test_old_checkpoints_pruned_but_never_the_latest(conv, tmp_path):
