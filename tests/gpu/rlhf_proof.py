@@ -5,6 +5,8 @@ tests/e2e/test_rlhf.py, Transformer Engine implementation:
 - reward model (megatron.training, bf16): pairwise accuracy and margin over the iterations;
 - DPO (megatron.training, bf16, reference on the fly): reward accuracy and margin;
 - GRPO (own loop, fp32 policy, rollouts with megatron.core.inference): mean reward first vs last steps;
+- GRPO's rollouts once more on megatron-core's static engine (5 steps): seconds per rollout step on either
+  engine (`grpo.rollout_s_per_step`, dynamic, against `grpo_static_engine.rollout_s_per_step`);
 - PPO with a critic (issue 29), beside GRPO: the same start, prompts, rule reward, steps and samples per step
   (96); a fixed KL coefficient `PPO_KL_COEF`; mean reward, the largest per-completion KL, the critic's value
   loss (first vs last 5 steps); for both, seconds per step split into the loop's phases (the step lines'
@@ -65,16 +67,18 @@ PPO_LR = 2e-5
 PPO_REWARD_RISE = 0.05
 
 
-def online_rl(out: str, algorithm: str, *extra: str) -> tuple[dict, list[dict]]:
-    """One online-RL run on the proof's prompts (fp32 policy, TE, 30 steps of 96 samples): its report row (the
-    summary's figures and the split of the step time) and the history of its steps."""
+def online_rl(out: str, algorithm: str, *extra: str, name: str | None = None) -> tuple[dict, list[dict]]:
+    """One online-RL run on the proof's prompts (fp32 policy, TE, 30 steps of 96 samples unless `extra` says
+    otherwise; its log and export named `name`, default the algorithm): its report row (the summary's figures
+    and the split of the step time) and the history of its steps."""
+    name = name or algorithm
     hf_dir, prompts = os.path.join(out, "hf_start"), os.path.join(out, "prompts.jsonl")
     cmd = [sys.executable, "-m", f"megatron_patch.rlhf.{algorithm}", "--hf-dir", hf_dir, "--prompts", prompts,
            "--reward", "tests.e2e.test_rlhf:toy_reward", "--impl", "transformer_engine", "--dtype", "fp32",
-           "--steps", "30", "--max-new-tokens", "32", "--out", os.path.join(out, f"{algorithm}_hf"), *extra]
+           "--steps", "30", "--max-new-tokens", "32", "--out", os.path.join(out, f"{name}_hf"), *extra]
     env = {**os.environ, "PYTHONPATH": ROOT + ":" + os.environ.get("PYTHONPATH", "")}
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
-    with open(os.path.join(out, f"{algorithm}.log"), "w") as f:
+    with open(os.path.join(out, f"{name}.log"), "w") as f:
         f.write(p.stderr + p.stdout)
     summary = json.loads(p.stdout.strip().splitlines()[-1]) if p.returncode == 0 else {}
     phases = ("rollout", "score", "update")
@@ -125,8 +129,12 @@ def main() -> None:
     with open(prompts, "w") as f:
         f.writelines(json.dumps({"prompt": p}) + "\n" for p in
                      ["The module", "A list of", "When the function", "def f(x):", "The interpreter", "import os"])
-    report["grpo"], _ = online_rl(out, "grpo", "--prompts-per-step", "6", "--group-size", "16", "--lr", "1e-4",
-                                  "--kl-coef", "0.01")
+    grpo_args = ("--prompts-per-step", "6", "--group-size", "16", "--lr", "1e-4", "--kl-coef", "0.01")
+    report["grpo"], _ = online_rl(out, "grpo", *grpo_args)  # rollouts on `--engine auto`: the dynamic engine
+    # the same rollouts on the static engine for 5 steps: rollout seconds per step before and after the dynamic
+    # engine became the default (issue 27 item 4)
+    report["grpo_static_engine"], _ = online_rl(out, "grpo", *grpo_args, "--steps", "5", "--engine", "static",
+                                                name="grpo_static")
     ppo, history = online_rl(out, "ppo", "--prompts-per-step", "96", "--lr", str(PPO_LR), "--critic-lr", "1e-4",
                              "--kl-coef", str(PPO_KL_COEF), "--epochs", "2", "--mini-batches", "2")
     value_loss = {i: r["value_loss"] for i, r in enumerate(history, 1)}
