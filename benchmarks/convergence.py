@@ -228,13 +228,13 @@ def parse_log(text: str) -> dict:
     return {"iterations": {i: r for i, r in rows.items() if "loss" in r}, "held_out": log.held_out}
 
 
-def report_run(out: str, run: str) -> dict:
-    """`write_run` from the run's log so far; on the GPU machine ($OUT set) the run's JSON, log and config are
-    copied to $OUT/runs as well, so a call cut by its time limit still brings back what was measured."""
+def report_run(out: str, run: str, log_text: str) -> dict:
+    """`write_run` from the run's log so far (`log_text`); on the GPU machine ($OUT set) the run's JSON, log and
+    config are copied to $OUT/runs as well, so a call cut by its time limit still brings back what was measured."""
     import shutil
 
     runs = os.path.join(out, "runs")
-    report = write_run(out, run, open(os.path.join(runs, f"{run}.log")).read())
+    report = write_run(out, run, log_text)
     if os.environ.get("OUT"):
         dest = os.path.join(os.environ["OUT"], "runs")
         os.makedirs(dest, exist_ok=True)
@@ -411,12 +411,13 @@ def main(argv: list[str] | None = None) -> int:
                 except subprocess.TimeoutExpired:
                     pass
                 prune_checkpoints(ckpt, a.keep_checkpoints)
-                line = progress_line(a.run, open(log_path).read(), iterations(a.tokens))
+                text = open(log_path).read()
+                line = progress_line(a.run, text, iterations(a.tokens))
                 if line:
                     print(line, flush=True)
-                report_run(a.out, a.run)
+                report_run(a.out, a.run, text)
         prune_checkpoints(ckpt, a.keep_checkpoints)
-        report = report_run(a.out, a.run)
+        report = report_run(a.out, a.run, open(log_path).read())
         last = report["train"][-1] if report["train"] else {}
         print(json.dumps({"run": a.run, "rc": rc, "iterations": last.get("iteration"), "tokens": last.get("tokens"),
                           "loss": last.get("loss"), "held_out": report["held_out"][-1:] or None}))

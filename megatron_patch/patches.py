@@ -530,6 +530,8 @@ def _te_fa4_causal_window() -> Callable[[], None] | None:
 
 # where TE's `set_extra_state`s ask whether to unpickle (modules, fusible ops)
 TE_EXTRA_STATE_MODULES = ("transformer_engine.pytorch.module.base", "transformer_engine.pytorch.ops.op")
+
+
 @register("te_extra_state_safe_load", ">=0.18.2,<0.20")
 def _te_extra_state_safe_load() -> Callable[[], None] | None:
     """Checkpoints of FP8 delayed-scaling runs load again, safely (resuming `--fp8-recipe delayed`, converting

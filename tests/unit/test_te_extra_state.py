@@ -91,9 +91,9 @@ def te(monkeypatch):
     patches.revert(PATCH)
 
 
-def _extra_state(recipe_module, payload=None) -> torch.Tensor:
+def _extra_state(recipe_module, payload=None) -> tuple[torch.Tensor, dict]:
     """A module's extra state as TE's `get_extra_state` makes it for delayed scaling: the pickled dict of the
-    recipe, scales and amax histories (CPU copies) and plain fp8_meta values, as a uint8 tensor."""
+    recipe, scales and amax histories (CPU copies) and plain fp8_meta values, as a uint8 tensor; and the dict."""
     g = torch.Generator().manual_seed(0)
     state = payload if payload is not None else {
         "recipe": recipe_module.DelayedScaling(margin=1, amax_history_len=16),
