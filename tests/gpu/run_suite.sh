@@ -9,7 +9,9 @@
 #                                        # Any change to code on a GPU path runs it before it lands.
 #   bash tests/gpu/run_suite.sh quick    # every GPU test but the two proofs (~5 min; NCCL / MoE tests need 2 GPUs)
 #   bash tests/gpu/run_suite.sh rest     # quick without the smoke tests: after `smoke`, the rest of quick
-#   bash tests/gpu/run_suite.sh proofs   # the training proof and the RLHF proof              (~8 min)
+#   bash tests/gpu/run_suite.sh proofs   # the training proof and the RLHF proof: more than one call's 10 minutes
+#                                        # since torch.compile is on (2026-12-04: the training proof alone took most
+#                                        # of a call), so one call each: `proofs -k train_proof`, `proofs -k rlhf`
 #   bash tests/gpu/run_suite.sh widths   # LoRA vs full SFT and PEFT at 8B widths, lm-eval at 1B widths (~6 min)
 #   bash tests/gpu/run_suite.sh all      # both, where the call's time limit allows
 #   bash tests/gpu/run_suite.sh proofs -k rlhf   # arguments after the part go to pytest (one proof per call)
