@@ -398,7 +398,7 @@ def _paged_attention_in_torch_patch() -> Callable[[], None] | None:
     fp32 softmax(q k^T * scale) v, grouped queries, sliding windows, sink logits; 0.18.2's own kernels
     ignore a sliding window, this one applies it as 0.19 does) and the version check
     (`is_fa_min_version` as attention.py names it) passes. Multi-latent attention with cached latents
-    (FlashMLA) is not covered. On a GPU it is a correctness fallback, not a fast path: install
+    (FlashMLA) has its own patch, `mla_latent_cache`. On a GPU it is a correctness fallback, not a fast path: install
     flash-attn there for speed. When a flash-attn kernel is importable, only calls whose queries are not
     fp16 / bf16 take the torch implementation; the others go to megatron-core's own method."""
     from megatron.core.transformer import attention
@@ -783,6 +783,55 @@ def _alibi_paged_attention() -> Callable[[], None] | None:
                                                         **extra)
 
     return _swap([(attention.Attention, "flash_decode_and_prefill", flash_decode_and_prefill)])
+
+
+@register("mla_latent_cache", ">=0.18.2,<0.20")
+def _mla_latent_cache() -> Callable[[], None] | None:
+    """Multi-latent attention (DeepSeek) on megatron-core's dynamic inference engine, through megatron-core's own
+    cached-latent path (`cache_mla_latents`, `megatron/core/transformer/multi_latent_attention.py`, 0.18.2 to
+    0.19.x), which as shipped runs only with Transformer Engine and FlashMLA: `prepare_for_absorption` splits TE's
+    fused norm + linear `linear_kv_up_proj` (`split_te_layernorm_column_parallel_linear`, None without TE) and
+    deletes it, so the model cannot train afterwards; decode attends through FlashMLA's kernel; and 0.19 calls
+    `flash_decode_and_prefill` without its `is_decode_only` argument. Here `MLASelfAttention.
+    prepare_for_absorption` takes the local implementation's separate norm and linear as they are (the absorbed up-
+    projections `up_k_weight` / `up_v_weight` are views of `linear_kv_up_proj`'s weight, taken at every forward
+    pass, so they follow training; `linear_kv_up_proj_linear` is the same module, kept out of the module tree and
+    the state dict), and `MultiLatentAttention.flash_decode_and_prefill` is `inference/paged_attention.py`'s
+    `mla_decode_and_prefill` in torch. The dynamic engine applies it for MLA models, with the latent switch on for
+    the call only (`inference.dynamic`). Transformer Engine's fused layer is refused (not yet)."""
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MultiLatentAttention
+
+    from megatron_patch.inference import paged_attention
+
+    def prepare_for_absorption(self) -> None:
+        proj = self.linear_kv_up_proj
+        if hasattr(proj, "layer_norm_weight"):
+            raise NotImplementedError("multi-latent attention with Transformer Engine's fused norm + linear on the "
+                                      "dynamic inference engine (use the static engine: --engine static)")
+        c = self.config
+        weight = proj.weight.view(self.num_attention_heads_per_partition, c.qk_head_dim + c.v_head_dim,
+                                  c.kv_lora_rank)
+        for name, value in (("up_k_weight", weight[:, : c.qk_head_dim]), ("up_v_weight", weight[:, c.qk_head_dim:]),
+                            ("linear_kv_up_proj_linear", proj)):
+            object.__setattr__(self, name, value)  # (not registered: no second copy in the state dict)
+
+    targets = [(MLASelfAttention, "prepare_for_absorption", prepare_for_absorption),
+               (MultiLatentAttention, "flash_decode_and_prefill", paged_attention.mla_decode_and_prefill)]
+    saved = [(owner, name, owner.__dict__.get(name)) for owner, name, _ in targets]
+    for owner, name, value in targets:
+        setattr(owner, name, value)
+
+    def undo() -> None:
+        for owner, name, value in saved:  # inherited before (flash_decode_and_prefill): inherited again
+            if value is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, value)
+
+    return undo
+
+
+MLA_LATENT_ATTRIBUTES = ("up_k_weight", "up_v_weight", "linear_kv_up_proj_linear")  # what the patch sets per layer
 
 
 def _rope_serves(t: torch.Tensor, freqs: torch.Tensor, config, cu_seqlens, mscale: float, cp_group) -> bool:

@@ -196,12 +196,12 @@ ENGINES = ("auto", "static", "dynamic")
 def choose_engine(model, engine: str = "auto") -> str:
     """Which of megatron-core's inference engines runs `generate`:
     - "static": the static-batch controller (fixed batches of `max_batch_size`, a KV cache per batch; TP
-      and EP; not PP > 1): the one that runs multi-latent attention;
+      and EP; not PP > 1);
     - "dynamic": `DynamicInferenceEngine` (continuous batching over a paged KV cache, CUDA graphs on a GPU;
-      TP, PP and EP; ALiBi through the `alibi_paged_attention` patch; not multi-latent attention:
-      `unsupported_attention`);
+      TP, PP and EP; ALiBi through the `alibi_paged_attention` patch; multi-latent attention through
+      `mla_latent_cache`, on a CPU so far: `unsupported_attention`);
     - "auto": the dynamic engine wherever it runs the model; the static one for multi-latent attention
-      (DeepSeek). Measured on one H200 (docs/benchmarks.md, 1B widths): the dynamic engine with CUDA graphs
+      (DeepSeek) on a GPU. Measured on one H200 (docs/benchmarks.md, 1B widths): the dynamic engine with CUDA graphs
       is 3.0x HF `generate` at 1 request and 3.3x at 32; the static engine is slower than HF (0.37x)."""
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")

@@ -2,7 +2,8 @@
 `DynamicInferenceContext`): continuous batching over a paged KV cache sized by `plan_engine`, CUDA graphs on
 a GPU (`set_inference_cuda_graphs`), stop strings through the controller's stop-word callback, the engine
 kept between calls while it fits (`release_engine` frees it). TP, PP and EP; ALiBi through the
-`alibi_paged_attention` patch; not multi-latent attention (`unsupported_attention`)."""
+`alibi_paged_attention` patch; multi-latent attention through the `mla_latent_cache` patch (on a CPU so far:
+`unsupported_attention`)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from megatron_patch.inference.stops import holds_stop, stop_window
 
 # KV cache page size in tokens: megatron-core's default (flash-attn's paged kernels want a multiple of 256).
 BLOCK_SIZE_TOKENS = 256
+# ... and with multi-latent attention, whose cached-latent path asserts FlashMLA's page of 64 tokens.
+MLA_BLOCK_SIZE_TOKENS = 64
 # CUDA graphs captured per engine (batch sizes spread from 1 to the in-flight maximum): Megatron-LM's
 # default (`--inference-dynamic-batching-num-cuda-graphs`).
 NUM_CUDA_GRAPHS = 16
@@ -101,14 +104,29 @@ class EnginePlan:
                 and self.kv_cache_gb >= other.kv_cache_gb)
 
 
+def latent_attention(model) -> bool:
+    """Whether `model` attends with multi-latent attention (DeepSeek): the engine then caches latents."""
+    from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
+
+    return any(isinstance(m, MultiLatentAttention) for m in model.modules())
+
+
+def block_size_tokens(model) -> int:
+    """The KV cache's page size for `model` (`BLOCK_SIZE_TOKENS`, `MLA_BLOCK_SIZE_TOKENS`)."""
+    return MLA_BLOCK_SIZE_TOKENS if latent_attention(model) else BLOCK_SIZE_TOKENS
+
+
 def kv_bytes_per_token(model) -> int:
-    """Bytes of K and V one token occupies in this rank's cache (its layers, its share of KV heads)."""
+    """Bytes of K and V one token occupies in this rank's cache (its layers, its share of KV heads); with
+    multi-latent attention, of its latent and rotated key part (one row a layer, on every TP rank whole)."""
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     config = model.config
+    layers = sum(isinstance(m, TransformerLayer) for m in model.modules())
+    if latent_attention(model):
+        return layers * (config.kv_lora_rank + config.qk_pos_emb_head_dim) * config.params_dtype.itemsize
     heads = config.num_query_groups or config.num_attention_heads
     heads_here = max(1, heads // config.tensor_model_parallel_size)
-    layers = sum(isinstance(m, TransformerLayer) for m in model.modules())
     return 2 * layers * heads_here * config.kv_channels * config.params_dtype.itemsize
 
 
@@ -127,8 +145,9 @@ def plan_engine(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, ma
     longest = max(len(p) for p in prompts)
     n = min(max_requests or default_max_requests(), len(prompts))
     n = -(-n // tp) * tp
-    block = BLOCK_SIZE_TOKENS * kv_bytes_per_token(model)
-    blocks_per_request = -(-(longest + max_new_tokens) // BLOCK_SIZE_TOKENS)
+    page = block_size_tokens(model)
+    block = page * kv_bytes_per_token(model)
+    blocks_per_request = -(-(longest + max_new_tokens) // page)
     need = (n * blocks_per_request + 1) * block  # + megatron's dummy block
     if kv_cache_gb is None:
         if torch.cuda.is_available():
@@ -145,9 +164,9 @@ def plan_engine(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, ma
         given = (f"the KV cache budget of {kv_cache_gb:g} GiB (--kv-cache-gb)" if kv_cache_gb is not None else
                  f"the automatic KV cache budget of {budget / 1024 ** 3:.3g} GiB ({KV_SHARE_OF_FREE_MEMORY:g} of the "
                  "memory the weights leave)")
-        holds = max(budget // block - 1, 0) * BLOCK_SIZE_TOKENS
+        holds = max(budget // block - 1, 0) * page
         raise ValueError(f"{given} holds {holds} tokens; the longest request needs {longest + max_new_tokens} "
-                         f"({longest} prompt + {max_new_tokens} new tokens), in blocks of {BLOCK_SIZE_TOKENS} tokens "
+                         f"({longest} prompt + {max_new_tokens} new tokens), in blocks of {page} tokens "
                          f"{blocks_per_request * block / 1024 ** 3:.3g} GiB: raise --kv-cache-gb")
     if cuda_graphs is None:
         from megatron.core import parallel_state as ps
@@ -161,11 +180,12 @@ def plan_engine(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, ma
     from megatron_patch.models.modules.alibi import has_alibi
 
     alibi = has_alibi(model)
+    latent = latent_attention(model)
     return EnginePlan(max_requests=n, bounded=n < len(prompts), max_sequence_length=longest + max_new_tokens,
                       max_tokens=max(DynamicInferenceContext.DEFAULT_MAX_TOKENS, longest, n),
                       kv_cache_gb=budget / 1024 ** 3, cuda_graphs=cuda_graphs,
                       # (attention in torch reads the prompts' lengths on the host: decode-only graphs only)
-                      non_decode_graphs=not (patches.attends_in_torch(model.config.params_dtype) or alibi),
+                      non_decode_graphs=not (patches.attends_in_torch(model.config.params_dtype) or alibi or latent),
                       async_scheduling=async_scheduling(), decode_gemv=wanted(DECODE_GEMV),
                       decode_attention=wanted(DECODE_ATTENTION), decode_rope=wanted(DECODE_ROPE), alibi=alibi)
 
@@ -187,15 +207,15 @@ def wanted(switch: bool | None) -> bool:
 
 
 def unsupported_attention(model) -> str | None:
-    """Why megatron-core's dynamic engine cannot run this model's attention, or None. The engine attends
+    """Why megatron-core's dynamic engine cannot run this model's attention here, or None. The engine attends
     through its own paged-KV kernel (`Attention.flash_decode_and_prefill`), not the layer's core
     attention: ALiBi biases are added there by the `alibi_paged_attention` patch; multi-latent attention
-    needs megatron-core's cached-latent FlashMLA path (DeepSeek)."""
-    from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
+    (DeepSeek) runs megatron-core's cached-latent path with the `mla_latent_cache` patch, in torch, tested on
+    a CPU: on a GPU (Transformer Engine's fused layers, CUDA graphs, speed against the static engine) not yet."""
+    import torch
 
-    for m in model.modules():
-        if isinstance(m, MultiLatentAttention):
-            return "multi-latent attention (it needs megatron-core's cached-latent FlashMLA kernels)"
+    if latent_attention(model) and torch.cuda.is_available():
+        return "multi-latent attention on a GPU (its cached-latent path is verified on a CPU only so far)"
     return None
 
 
@@ -220,9 +240,36 @@ def generate_dynamic(model, tokenizer, prompts: list[list[int]], sampling: Sampl
               patches.applied("fused_decode_rope") if plan.decode_rope else contextlib.nullcontext(),
               patches.applied("sampling_without_stream_sync") if SAMPLING_NO_SYNC else contextlib.nullcontext(),
               # last: ALiBi layers attend with their bias before any other paged attention sees them
-              patches.applied("alibi_paged_attention") if plan.alibi else contextlib.nullcontext()):
+              patches.applied("alibi_paged_attention") if plan.alibi else contextlib.nullcontext(),
+              _latent_cache(model) if latent_attention(model) else contextlib.nullcontext()):
             engine = _Engines.get(model, tokenizer, plan)
             return _run(engine, tokenizer, prompts, sampling, on_tokens)
+
+
+@contextlib.contextmanager
+def _latent_cache(model) -> Iterator[None]:
+    """megatron-core's cached-latent switch (`cache_mla_latents`, on the config and on each MLA layer, which
+    copies it when built) on for one call, with the `mla_latent_cache` patch: the layers cannot train with it
+    on (they assert), and GRPO / PPO train between calls. Afterwards the per-layer attributes the patch set
+    are dropped."""
+    from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
+
+    from megatron_patch import patches
+
+    layers = [m for m in model.modules() if isinstance(m, MultiLatentAttention)]
+    configs = {id(c): c for c in [model.config, *(m.config for m in layers)]}.values()
+    saved = [(c, c.cache_mla_latents) for c in configs] + [(m, m.cache_mla_latents) for m in layers]
+    with patches.applied("mla_latent_cache"):
+        try:
+            for owner, _ in saved:
+                owner.cache_mla_latents = True
+            yield
+        finally:
+            for owner, value in saved:
+                owner.cache_mla_latents = value
+            for m in layers:
+                for name in patches.MLA_LATENT_ATTRIBUTES:
+                    m.__dict__.pop(name, None)
 
 
 @contextlib.contextmanager
@@ -364,7 +411,7 @@ def _build_engine(model, tokenizer, plan: EnginePlan):
     # the model's implementation: the default, NVLS, needs NVLink multicast (symmetric memory); NCCL's
     # all-gather needs nothing special (our models keep their own dispatcher either way).
     model.config.inference_moe_token_dispatcher_type = "nccl"
-    config = InferenceConfig(block_size_tokens=BLOCK_SIZE_TOKENS, buffer_size_gb=plan.kv_cache_gb,
+    config = InferenceConfig(block_size_tokens=block_size_tokens(model), buffer_size_gb=plan.kv_cache_gb,
                              max_requests=plan.max_requests, max_tokens=plan.max_tokens,
                              max_sequence_length=plan.max_sequence_length,
                              num_cuda_graphs=NUM_CUDA_GRAPHS if plan.cuda_graphs else None,

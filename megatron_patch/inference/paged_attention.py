@@ -12,15 +12,15 @@ import torch
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, kv_len: torch.Tensor,
            scale: float, window: tuple[int, int] | None, sink: torch.Tensor | None,
            slopes: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention of queries [n, s, h, d] at positions `q_pos` [n, s] over keys / values
-    [n, L, hk, d] of which the first `kv_len` [n] are real: key j is seen by a query at position i when
-    j <= i, j < kv_len and, with a sliding `window` (left, right), j >= i - left. Grouped queries: head
-    g * (h / hk) + r reads KV head g (megatron-core's layout), without copying K and V per head.
-    softmax(q k^T * scale) v with the softmax in fp32 (products in the inputs' dtype, as flash-attn);
-    a per-head `sink` logit [h] joins each softmax's denominator (megatron-core's off-by-one / learnable
-    softmax). ALiBi `slopes` [h] (fp32) add slope_h * (j - i) to the scaled score of query i on key j
-    (`models/modules/alibi.py`). Keys past `kv_len` may be any bits (unwritten cache): they are masked and
-    their values zeroed. A query that sees nothing gets 0."""
+    """Causal attention of queries [n, s, h, d] at positions `q_pos` [n, s] over keys [n, L, hk, d] and values [n, L,
+    hk, dv] (dv may differ from d: multi-latent attention) of which the first `kv_len` [n] are real: key j is seen
+    by a query at position i when j <= i, j < kv_len and, with a sliding `window` (left, right), j >= i - left.
+    Grouped queries: head g * (h / hk) + r reads KV head g (megatron-core's layout), without copying K and V per
+    head. softmax(q k^T * scale) v with the softmax in fp32 (products in the inputs' dtype, as flash-attn); a
+    per-head `sink` logit [h] joins each softmax's denominator (megatron-core's off-by-one / learnable softmax).
+    ALiBi `slopes` [h] (fp32) add slope_h * (j - i) to the scaled score of query i on key j
+    (`models/modules/alibi.py`). Keys past `kv_len` may be any bits (unwritten cache): they are masked and their
+    values zeroed. A query that sees nothing gets 0."""
     n, s, h, d = q.shape
     hk = k.shape[2]
     k_pos = torch.arange(k.shape[1], device=q.device)
@@ -43,7 +43,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tenso
         probs = probs[..., :-1]
     probs = torch.nan_to_num(probs, nan=0.0).to(v.dtype)  # (rows that see no key: padding)
     values = v.masked_fill(~real[:, :, None, None], 0.0)
-    return torch.einsum("nkgsl,nlkd->nskgd", probs, values).reshape(n, s, h, d)
+    return torch.einsum("nkgsl,nlkd->nskgd", probs, values).reshape(n, s, h, v.shape[-1])
 
 
 def flash_decode_and_prefill(self, q, k, v, max_seqlen_q, max_seqlen_k, cu_seqlens_q, cu_seqlens_k, seqlens_k,
@@ -73,7 +73,7 @@ def flash_decode_and_prefill(self, q, k, v, max_seqlen_q, max_seqlen_k, cu_seqle
                      slopes)
         return out.reshape(n * s, 1, *out.shape[2:])
     q = q.squeeze(1)
-    out = torch.zeros_like(q)  # padding tokens past the last request stay 0
+    out = q.new_zeros(*q.shape[:-1], v.shape[-1])  # padding tokens past the last request stay 0
     starts, lengths = cu_seqlens_q.tolist(), seqlens_k.tolist()
     block_size = k.shape[1]
     for r, kv_len in enumerate(lengths):
@@ -87,3 +87,27 @@ def flash_decode_and_prefill(self, q, k, v, max_seqlen_q, max_seqlen_k, cu_seqle
         out[first:last] = attend(q[None, first:last], keys, values, q_pos, seqlens_k[r: r + 1], scale, window,
                                  softmax_offset, slopes)[0]
     return out.unsqueeze(1)
+
+
+def mla_decode_and_prefill(self, q, k, v, max_seqlen_q, max_seqlen_k, cu_seqlens_q, cu_seqlens_k, seqlens_k,
+                           block_table, is_decode_only=None, softmax_offset=None):
+    """`flash_decode_and_prefill` of a multi-latent attention layer with cached latents (megatron-core's
+    `cache_mla_latents` path, `MultiLatentAttention.forward`; the `mla_latent_cache` patch puts this in place),
+    in torch. The paged cache holds one row a token: its normed KV latent and its rotated key position part
+    [blocks, block_size, kv_lora_rank + qk_pos_emb_head_dim]. Prefill and mixed steps arrive with that cache
+    up-projected (`uncompress_kv_from_cache`: keys [blocks, block_size, h, qk_head_dim + qk_pos_emb_head_dim],
+    values [.., v_head_dim]) and attend as any other layer. Decode-only steps arrive with the latent cache as
+    `k`, no `v`, and queries with the key up-projection absorbed [tokens, 1, h, kv_lora_rank +
+    qk_pos_emb_head_dim]: one shared key head, the latent part of each row its value; the result, [tokens, 1, h,
+    kv_lora_rank], is up-projected to the values by the layer. (megatron-core 0.19 calls this without
+    `is_decode_only`: a missing `v` says decode.)"""
+    if v is not None:
+        return flash_decode_and_prefill(self, q, k, v, max_seqlen_q, max_seqlen_k, cu_seqlens_q, cu_seqlens_k,
+                                        seqlens_k, block_table, False, softmax_offset)
+    n = seqlens_k.shape[0]
+    s = q.shape[0] // n
+    latents = k[block_table].flatten(1, 2)[:, :, None]  # [n, blocks * size, 1, rank + rope]
+    q_pos = seqlens_k[:, None] - s + torch.arange(s, device=q.device)[None, :]
+    out = attend(q.reshape(n, s, *q.shape[2:]), latents, latents[..., : self.config.kv_lora_rank], q_pos,
+                 seqlens_k, self.softmax_scale, None, softmax_offset)
+    return out.reshape(n * s, 1, *out.shape[2:])

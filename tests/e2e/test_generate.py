@@ -512,21 +512,53 @@ def _converted(variant: str):
     return c, model
 
 
-def test_multi_latent_attention_runs_on_the_static_engine(cpu_megatron):
-    """megatron-core's dynamic engine attends through its own paged kernel, not the layer's core attention, and
-    multi-latent attention needs FlashMLA there. Asked for, it says so; the default engine generates DeepSeek
-    on the static path, greedy = transformers' generate."""
-    from megatron_patch.inference import Sampling, choose_engine, generate
+@pytest.mark.parametrize("variant", ["deepseek_v3", "deepseek_v2"])
+def test_multi_latent_attention_runs_on_the_dynamic_engine(variant, cpu_megatron, monkeypatch):
+    """Multi-latent attention (DeepSeek) on the dynamic engine, which `auto` picks on a CPU: the paged cache holds
+    each token's latent (kv_lora_rank + rope dims, blocks of 64 tokens as megatron-core's cached-latent path
+    asserts), prefill attends over the latents up-projected, decode with the up-projection absorbed into the
+    queries (`mla_latent_cache` patch). Greedy tokens = transformers' generate for prompts of mixed lengths,
+    one longer than a block, as on the static engine. The latent switch is on for the call only and the layers
+    keep their weights: a training forward pass after generating gives the same logits as before it."""
+    from megatron_patch import patches
+    from megatron_patch.inference import Sampling, choose_engine, dynamic, generate, paged_attention
     from megatron_patch.tokenizer import build_tokenizer
 
-    c, model = _converted("deepseek_v3")
+    c, model = _converted(variant)
     tok = build_tokenizer(TINY_TOKENIZER)
-    with pytest.raises(ValueError, match="does not support multi-latent attention .*: use the static one"):
-        generate(model, tok, [[5, 6]], Sampling(2), engine="dynamic")
+    assert choose_engine(model) == "dynamic"
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    before = model(ids, torch.arange(8)[None], None).detach().clone()
+    prompts = [[5, 6, 7], [(7 * i) % 997 + 2 for i in range(70)], [9, 10, 11, 12, 13, 14]]
+    want = [_hf_greedy(c, p, 10) for p in prompts]
+    calls, original = [], paged_attention.mla_decode_and_prefill
+
+    def spy(self, q, k, v, *args, **kwargs):
+        calls.append(("prefill" if v is not None else "decode", k.dim(), q.shape[-1]))
+        return original(self, q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(paged_attention, "mla_decode_and_prefill", spy)
+    assert generate(model, tok, prompts, Sampling(10, top_k=1), engine="dynamic") == want
+    cfg = model.config  # prefill over up-projected keys per head; decode over the latent rows, absorbed queries
+    assert ("prefill", 4, cfg.qk_head_dim + cfg.qk_pos_emb_head_dim) in calls
+    assert ("decode", 3, cfg.kv_lora_rank + cfg.qk_pos_emb_head_dim) in calls
+    assert generate(model, tok, prompts, Sampling(10, top_k=1), engine="static") == want
+    assert not patches.is_active("mla_latent_cache") and not model.config.cache_mla_latents
+    layers = [m for m in model.modules() if hasattr(m, "cache_mla_latents")]
+    assert layers and not any(m.cache_mla_latents for m in layers)
+    assert torch.equal(model(ids, torch.arange(8)[None], None), before)
+    dynamic.release_engine()
+
+
+def test_multi_latent_attention_stays_on_the_static_engine_on_a_gpu(cpu_megatron, monkeypatch):
+    """On a GPU the latent path runs our torch attention, not yet measured there: `auto` keeps DeepSeek on
+    the static engine, and asking for the dynamic one says why."""
+    from megatron_patch.inference import choose_engine, dynamic
+
+    _, model = _converted("deepseek_v3")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert "multi-latent attention" in dynamic.unsupported_attention(model)
     assert choose_engine(model) == "static"
-    prompts = [[5, 6, 7], [9, 10, 11, 12, 13, 14]]
-    for prompt, mine in zip(prompts, generate(model, tok, prompts, Sampling(8, top_k=1)), strict=True):
-        assert mine == _hf_greedy(c, prompt, 8), mine
 
 
 # (Bloom's tiny random model greedily picks the same tokens without the bias: the check that the bias matters runs
