@@ -789,31 +789,32 @@ def _alibi_paged_attention() -> Callable[[], None] | None:
 def _mla_latent_cache() -> Callable[[], None] | None:
     """Multi-latent attention (DeepSeek) on megatron-core's dynamic inference engine, through megatron-core's own
     cached-latent path (`cache_mla_latents`, `megatron/core/transformer/multi_latent_attention.py`, 0.18.2 to
-    0.19.x), which as shipped runs only with Transformer Engine and FlashMLA: `prepare_for_absorption` splits TE's
-    fused norm + linear `linear_kv_up_proj` (`split_te_layernorm_column_parallel_linear`, None without TE) and
-    deletes it, so the model cannot train afterwards; decode attends through FlashMLA's kernel; and 0.19 calls
-    `flash_decode_and_prefill` without its `is_decode_only` argument. Here `MLASelfAttention.
-    prepare_for_absorption` takes the local implementation's separate norm and linear as they are (the absorbed up-
-    projections `up_k_weight` / `up_v_weight` are views of `linear_kv_up_proj`'s weight, taken at every forward
-    pass, so they follow training; `linear_kv_up_proj_linear` is the same module, kept out of the module tree and
-    the state dict), and `MultiLatentAttention.flash_decode_and_prefill` is `inference/paged_attention.py`'s
-    `mla_decode_and_prefill` in torch. The dynamic engine applies it for MLA models, with the latent switch on for
-    the call only (`inference.dynamic`). Transformer Engine's fused layer is refused (not yet)."""
+    0.19.x), which as shipped runs only with Transformer Engine and FlashMLA: `prepare_for_absorption` splits
+    TE's fused norm + linear `linear_kv_up_proj` into copies (`split_te_layernorm_column_parallel_linear`, None
+    without TE) and deletes it, so the model cannot train afterwards and the copies go stale when it does; decode
+    attends through FlashMLA's kernel; and 0.19 calls `flash_decode_and_prefill` without its `is_decode_only`
+    argument. Here `MLASelfAttention.prepare_for_absorption` (called at every forward pass) uses the layer's own
+    weights: the absorbed up-projections `up_k_weight` / `up_v_weight` are views of `linear_kv_up_proj`'s weight
+    and `linear_kv_up_proj_linear` is that layer (local) or its linear part (TE's fused layer, whose norm becomes
+    `kv_layernorm` for the call: `_FusedNorm`), none of them in the state dict; `mla_latent_forget` puts the layer
+    back as it was. `MultiLatentAttention.flash_decode_and_prefill` is `inference/paged_attention.py`'s
+    `mla_decode_and_prefill` in torch. The dynamic engine applies it for MLA models, with the latent switch on
+    for the call only (`inference.dynamic._latent_cache`)."""
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MultiLatentAttention
 
     from megatron_patch.inference import paged_attention
 
     def prepare_for_absorption(self) -> None:
         proj = self.linear_kv_up_proj
-        if hasattr(proj, "layer_norm_weight"):
-            raise NotImplementedError("multi-latent attention with Transformer Engine's fused norm + linear on the "
-                                      "dynamic inference engine (use the static engine: --engine static)")
+        fused = hasattr(proj, "layer_norm_weight")  # Transformer Engine's LayerNormLinear: the kv norm inside
+        if fused and not isinstance(self.kv_layernorm, _FusedNorm):
+            self.__dict__["_mla_kv_layernorm"] = self.kv_layernorm  # (an identity: put back by mla_latent_forget)
+            self.kv_layernorm = _FusedNorm(proj)
         c = self.config
         weight = proj.weight.view(self.num_attention_heads_per_partition, c.qk_head_dim + c.v_head_dim,
                                   c.kv_lora_rank)
-        for name, value in (("up_k_weight", weight[:, : c.qk_head_dim]), ("up_v_weight", weight[:, c.qk_head_dim:]),
-                            ("linear_kv_up_proj_linear", proj)):
-            object.__setattr__(self, name, value)  # (not registered: no second copy in the state dict)
+        self.__dict__.update(up_k_weight=weight[:, : c.qk_head_dim], up_v_weight=weight[:, c.qk_head_dim:],
+                             linear_kv_up_proj_linear=functools.partial(_linear_part, proj) if fused else proj)
 
     targets = [(MLASelfAttention, "prepare_for_absorption", prepare_for_absorption),
                (MultiLatentAttention, "flash_decode_and_prefill", paged_attention.mla_decode_and_prefill)]
@@ -831,7 +832,36 @@ def _mla_latent_cache() -> Callable[[], None] | None:
     return undo
 
 
-MLA_LATENT_ATTRIBUTES = ("up_k_weight", "up_v_weight", "linear_kv_up_proj_linear")  # what the patch sets per layer
+class _FusedNorm(torch.nn.Module):
+    """The norm inside Transformer Engine's fused norm + linear (`LayerNormLinear`: `layer_norm_weight`,
+    `layer_norm_bias`, `normalization`, `eps`, `zero_centered_gamma`) as a layer of its own that reads the fused
+    layer's weights (no parameters of its own, no copy)."""
+
+    def __init__(self, fused: torch.nn.Module):
+        super().__init__()
+        self.__dict__["fused"] = fused  # (not a child module)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        f = self.fused
+        w = f.layer_norm_weight + 1 if getattr(f, "zero_centered_gamma", False) else f.layer_norm_weight
+        if getattr(f, "normalization", "RMSNorm") == "RMSNorm":
+            return torch.nn.functional.rms_norm(x, w.shape, w, f.eps)
+        return torch.nn.functional.layer_norm(x, w.shape, w, getattr(f, "layer_norm_bias", None), f.eps)
+
+
+def _linear_part(fused: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+    """The linear of a fused norm + linear without its norm, returning (output, bias) as megatron's linears do."""
+    bias = fused.bias if getattr(fused, "use_bias", False) else None
+    return torch.nn.functional.linear(x, fused.weight, bias), None
+
+
+def mla_latent_forget(layer: torch.nn.Module) -> None:
+    """Put an MLA layer back as it was before `mla_latent_cache`'s `prepare_for_absorption` ran on it."""
+    for name in ("up_k_weight", "up_v_weight", "linear_kv_up_proj_linear"):
+        layer.__dict__.pop(name, None)
+    norm = layer.__dict__.pop("_mla_kv_layernorm", None)
+    if norm is not None:
+        layer.kv_layernorm = norm
 
 
 def _rope_serves(t: torch.Tensor, freqs: torch.Tensor, config, cu_seqlens, mscale: float, cp_group) -> bool:

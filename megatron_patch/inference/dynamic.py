@@ -250,8 +250,8 @@ def generate_dynamic(model, tokenizer, prompts: list[list[int]], sampling: Sampl
 def _latent_cache(model) -> Iterator[None]:
     """megatron-core's cached-latent switch (`cache_mla_latents`, on the config and on each MLA layer, which
     copies it when built) on for one call, with the `mla_latent_cache` patch: the layers cannot train with it
-    on (they assert), and GRPO / PPO train between calls. Afterwards the per-layer attributes the patch set
-    are dropped."""
+    on (they assert), and GRPO / PPO train between calls. Afterwards the layers are put back as they were
+    (`patches.mla_latent_forget`)."""
     from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
 
     from megatron_patch import patches
@@ -268,8 +268,7 @@ def _latent_cache(model) -> Iterator[None]:
             for owner, value in saved:
                 owner.cache_mla_latents = value
             for m in layers:
-                for name in patches.MLA_LATENT_ATTRIBUTES:
-                    m.__dict__.pop(name, None)
+                patches.mla_latent_forget(m)
 
 
 @contextlib.contextmanager

@@ -550,6 +550,45 @@ def test_multi_latent_attention_runs_on_the_dynamic_engine(variant, cpu_megatron
     dynamic.release_engine()
 
 
+class _FusedNormLinear(torch.nn.Module):
+    """Transformer Engine's fused norm + linear as megatron-core's MLA holds it in `linear_kv_up_proj` (the kv
+    norm inside, `kv_layernorm` an identity): its attribute names, in torch."""
+
+    def __init__(self, norm, linear):
+        super().__init__()
+        self.layer_norm_weight, self.weight, self.eps = norm.weight, linear.weight, norm.eps
+        self.normalization, self.zero_centered_gamma, self.use_bias = "RMSNorm", False, False
+
+    def forward(self, x):
+        normed = torch.nn.functional.rms_norm(x, self.layer_norm_weight.shape, self.layer_norm_weight, self.eps)
+        return torch.nn.functional.linear(normed, self.weight), None
+
+
+def test_multi_latent_attention_with_a_fused_kv_norm_on_the_dynamic_engine(cpu_megatron):
+    """With Transformer Engine the kv norm lives inside `linear_kv_up_proj` (a fused norm + linear), which
+    megatron-core's own cached-latent path splits into copies and deletes. The patch caches latents normed by
+    the fused layer's own norm weight (for the call) and up-projects with its linear part: greedy tokens = HF, and
+    afterwards the layer is as before (the identity back in `kv_layernorm`, the same state dict)."""
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
+
+    from megatron_patch.inference import Sampling, dynamic, generate
+    from megatron_patch.tokenizer import build_tokenizer
+
+    c, model = _converted("deepseek_v3")
+    tok = build_tokenizer(TINY_TOKENIZER)
+    layers = [m for m in model.modules() if isinstance(m, MultiLatentAttention)]
+    for m in layers:
+        m.linear_kv_up_proj, m.kv_layernorm = _FusedNormLinear(m.kv_layernorm, m.linear_kv_up_proj), IdentityOp()
+    keys = sorted(model.state_dict())
+    prompts = [[5, 6, 7], [(7 * i) % 997 + 2 for i in range(70)]]
+    want = [_hf_greedy(c, p, 10) for p in prompts]
+    assert generate(model, tok, prompts, Sampling(10, top_k=1), engine="static") == want
+    assert generate(model, tok, prompts, Sampling(10, top_k=1), engine="dynamic") == want
+    assert all(isinstance(m.kv_layernorm, IdentityOp) for m in layers) and sorted(model.state_dict()) == keys
+    dynamic.release_engine()
+
+
 def test_multi_latent_attention_stays_on_the_static_engine_on_a_gpu(cpu_megatron, monkeypatch):
     """On a GPU the latent path runs our torch attention, not yet measured there: `auto` keeps DeepSeek on
     the static engine, and asking for the dynamic one says why."""
