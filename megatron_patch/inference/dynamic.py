@@ -65,6 +65,10 @@ DECODE_ROPE: bool | None = None
 # nothing waits: the CPU tests run the engine with it). Measured 2026-12-03 (8B, CUDA graphs, async, our kernels
 # off): one request 6.62 -> 5.99 ms a step, 32 requests 7.81 -> 6.54 ms.
 SAMPLING_NO_SYNC: bool = True
+# Multi-latent attention (DeepSeek) on the dynamic engine on a GPU (the `mla_latent_cache` patch: latents in the
+# paged cache, attention in torch). Off until measured there: on a GPU `auto` keeps MLA models on the static
+# engine (`unsupported_attention`); the GPU test `test_mla_on_the_dynamic_engine_equals_hf` turns it on.
+MLA_ON_GPU: bool = False
 
 
 def default_max_requests() -> int:
@@ -214,7 +218,7 @@ def unsupported_attention(model) -> str | None:
     a CPU: on a GPU (Transformer Engine's fused layers, CUDA graphs, speed against the static engine) not yet."""
     import torch
 
-    if latent_attention(model) and torch.cuda.is_available():
+    if latent_attention(model) and torch.cuda.is_available() and not MLA_ON_GPU:
         return "multi-latent attention on a GPU (its cached-latent path is verified on a CPU only so far)"
     return None
 

@@ -269,3 +269,55 @@ def test_alibi_on_the_dynamic_engine_equals_hf(tmp_path):
     assert on == off
     for r in rows:
         assert r["identical"] or r["hf_margin_at_diff"] < MARGIN[torch.bfloat16], r
+
+
+@pytest.mark.smoke
+def test_mla_on_the_dynamic_engine_equals_hf(tmp_path, monkeypatch):
+    """Multi-latent attention on the dynamic engine on the GPU (the `mla_latent_cache` patch with Transformer
+    Engine's fused kv norm + linear: latents in pages of 64 tokens, prefill over them up-projected, decode absorbed,
+    attention in torch; CUDA graphs of decode-only steps), switched on for the test (`dynamic.MLA_ON_GPU`): a small
+    DeepSeek-V3 (random weights, TE, bf16) generates HF bf16's greedy tokens (near-ties allowed, as above), the
+    same with CUDA graphs as without, and the static engine's. Seconds per engine recorded (not asserted)."""
+    import time
+
+    from megatron_patch.inference import Sampling, choose_engine, dynamic, generate, load_model
+    from megatron_patch.runtime.parallel import ensure_model_parallel
+    from megatron_patch.tokenizer import TINY_TOKENIZER, build_tokenizer
+    from tests.models import Case, any_config, checkpoint_state_dict, hf_model, save_case
+
+    ensure_model_parallel(1, 1)
+    cfg = any_config("deepseek_v3")
+    torch.manual_seed(0)
+    ref = hf_model(cfg)
+    c = Case(cfg, checkpoint_state_dict(ref), ref)
+    hf_dir = save_case(c, str(tmp_path / "deepseek"))
+    model, _ = load_model(None, hf_dir, impl="transformer_engine", dtype=torch.bfloat16)
+    assert choose_engine(model) == "static"  # off by default on a GPU
+    monkeypatch.setattr(dynamic, "MLA_ON_GPU", True)
+    assert choose_engine(model) == "dynamic"
+    hf = c.ref.to("cuda", torch.bfloat16).eval()
+    prompts = [[5, 6, 7], list(range(20, 120)), [30, 31], list(range(200, 230))]
+    sampling, tok = Sampling(STEPS, top_k=1, stop_id=None), build_tokenizer(TINY_TOKENIZER)
+    seconds = {}
+    runs = {"dynamic_graphs": {"cuda_graphs": True, "engine": "dynamic"},
+            "dynamic_eager": {"cuda_graphs": False, "engine": "dynamic"}, "static": {"engine": "static"}}
+    for name, kwargs in runs.items():
+        generate(model, tok, prompts, sampling, **kwargs)  # warm-up (graph capture, compilation)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = generate(model, tok, prompts, sampling, **kwargs)
+        torch.cuda.synchronize()
+        seconds[name] = (round(time.perf_counter() - start, 3), out)
+    on, off, static = (seconds[k][1] for k in ("dynamic_graphs", "dynamic_eager", "static"))
+    rows = []
+    for prompt, mine in zip(prompts, on, strict=True):
+        want, margins = hf_greedy(hf, prompt, "cuda")
+        first = next((i for i, (a, b) in enumerate(zip(mine, want)) if a != b), None)
+        rows.append({"prompt_len": len(prompt), "identical": mine == want, "first_diff": first,
+                     "hf_margin_at_diff": None if first is None else round(margins[first], 4)})
+    _record(test="mla_dynamic_engine", prompts=rows, graphs_on_equals_off=on == off, equals_static=on == static,
+            seconds={k: v[0] for k, v in seconds.items()})
+    assert on == off
+    for r in rows:
+        assert r["identical"] or r["hf_margin_at_diff"] < MARGIN[torch.bfloat16], r
+    dynamic.release_engine()
