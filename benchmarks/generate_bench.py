@@ -8,7 +8,10 @@ inference engine (continuous batching, paged KV cache, CUDA graphs) and on its s
         --requests 1 3 --new 4 --min-prompt 4 --max-prompt 12 --repeat 1 --hf hf       # the logic, on a CPU
 
 Shapes: LLaMA-3 widths (`1b`: Llama-3.2-1B, hidden 2048, 16 layers, tied embeddings; `8b`: Llama-3.1-8B,
-hidden 4096, 32 layers), vocab 128,256, random bf16 weights made by transformers and converted in memory.
+hidden 4096, 32 layers), vocab 128,256; multi-latent attention at DeepSeek-V2-Lite's widths (`v2-lite`, 27
+layers, 64 experts, with a query latent); random bf16 weights made by transformers and converted in memory. On
+a GPU the dynamic engine runs multi-latent attention only with `--mla-gpu` (`dynamic.MLA_ON_GPU`, off until
+measured).
 Requests: a JSONL file of prompts (`{"prompt_ids": [...]}`, random token ids, lengths uniform in
 [--min-prompt, --max-prompt], seed 0; written to --prompts if that file does not exist, else read from it);
 a row with N requests takes the file's first N. Greedy, no early stop: every request produces exactly
@@ -39,13 +42,29 @@ import time
 
 import torch
 
-SHAPES = {  # LLaMA-3 widths
+SHAPES = {  # LLaMA-3 widths, and DeepSeek's where a shape names its model type
     "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True),
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
     "tiny": dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=8,
                  num_key_value_heads=2, vocab_size=1000, tie_word_embeddings=True),
+    # multi-latent attention at DeepSeek-V2-Lite's widths (15.7B parameters, 2.4B active; latent 512 + rope 64 a
+    # token) with DeepSeek-V2's query latent of 1536: V2-Lite has none, which megatron-core 0.19's MLA cannot build
+    "v2-lite": dict(architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", hidden_size=2048,
+                    intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=27,
+                    num_attention_heads=16, num_key_value_heads=16, n_routed_experts=64, num_experts_per_tok=6,
+                    n_shared_experts=2, first_k_dense_replace=1, q_lora_rank=1536, kv_lora_rank=512,
+                    qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, topk_method="greedy", n_group=1,
+                    topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=False, vocab_size=102400,
+                    rope_theta=10000.0, tie_word_embeddings=False),
+    "tiny-mla": dict(architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", hidden_size=64,
+                     intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                     first_k_dense_replace=1, q_lora_rank=24, kv_lora_rank=16, qk_rope_head_dim=8,
+                     qk_nope_head_dim=16, v_head_dim=16, topk_method="greedy", n_group=1, topk_group=1,
+                     routed_scaling_factor=1.0, norm_topk_prob=False, vocab_size=1000, rope_theta=10000.0,
+                     tie_word_embeddings=False),
 }
 HF_RUNS = ("hf", "hf-static-compile")
 
@@ -69,6 +88,8 @@ def read_prompts(path: str, vocab: int) -> list[list[int]]:
 
 def hf_config(shape: str, context: int) -> dict:
     s = SHAPES[shape]
+    if "model_type" in s:
+        return {**s, "max_position_embeddings": context, "rms_norm_eps": 1e-6, "hidden_act": "silu"}
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **s,
             "head_dim": s["hidden_size"] // s["num_attention_heads"], "max_position_embeddings": context,
             "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "hidden_act": "silu"}
@@ -138,6 +159,7 @@ def run_shape(a, shape: str, prompts: list[list[int]], timer: Timer) -> list[dic
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from megatron_patch.conversion.engine import hf_to_megatron, load_rank_state_dict, make_plan
+    from megatron_patch.conversion.hf_io import checkpoint_state_dict
     from megatron_patch.inference import Sampling, generate
     from megatron_patch.inference.dynamic import release_engine
     from megatron_patch.models import Layout, build_model
@@ -149,7 +171,7 @@ def run_shape(a, shape: str, prompts: list[list[int]], timer: Timer) -> list[dic
     with torch.device(a.device):  # initialised where it runs: an 8B model's random init on the host takes minutes
         hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg), attn_implementation="sdpa",
                                               dtype=dtype).eval()
-    sd = hf.state_dict()
+    sd = checkpoint_state_dict(hf)  # (mixture-of-experts models: through save_pretrained, as released)
     model = build_model(cfg, impl=a.impl, dtype=dtype, perform_initialization=False)
     load_rank_state_dict(model, hf_to_megatron(make_plan(cfg, Layout(), a.impl), sd.__getitem__, sd.keys(), dtype)
                          [(0, 0, 0)])
@@ -267,6 +289,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--cuda-graph-impl", choices=["local", "none"], default=None,
                     help="our CUDA graphs (default: on a GPU)")
     ap.add_argument("--bandwidth-tb-s", type=float, default=4.8, help="memory bandwidth for the bound (H200: 4.8)")
+    ap.add_argument("--mla-gpu", action="store_true",
+                    help="multi-latent attention on the dynamic engine on a GPU (dynamic.MLA_ON_GPU: off by default)")
     ap.add_argument("--out", help="also write the rows and versions here as JSON")
     a = ap.parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
@@ -288,6 +312,10 @@ def main(argv: list[str] | None = None) -> dict:
         prompts = read_prompts(path, vocab)
     if len(prompts) < max(a.requests):
         raise SystemExit(f"error: {path} has {len(prompts)} prompts, fewer than --requests {max(a.requests)}")
+    if a.mla_gpu:
+        from megatron_patch.inference import dynamic
+
+        dynamic.MLA_ON_GPU = True
     info = versions()
     print(json.dumps(info), flush=True)
     timer = Timer(a.device, a.repeat)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_patch.conversion.hf_io import checkpoint_state_dict  # noqa: F401 (the tests' name for it)
 from megatron_patch.models.registry import load_hf_config
 from megatron_patch.testing import TINY_LLAMA
 from megatron_patch.testing import random_hf_model as hf_model
@@ -193,28 +194,6 @@ def case(variant: str) -> Case:
     cfg = any_config(variant)
     hf = hf_model(cfg)
     return Case(cfg, checkpoint_state_dict(hf), hf)
-
-
-# models transformers 5 holds under other names in memory than it writes (GPT-NeoX: `lm_head` / `embed_out`)
-_RENAMED_ON_SAVE = ("gpt_neox",)
-
-
-def checkpoint_state_dict(hf) -> dict[str, torch.Tensor]:
-    """The tensors as a checkpoint stores them. transformers 5 holds mixture-of-experts weights fused
-    in memory (`experts.gate_up_proj`) and writes the per-expert names of released checkpoints, and
-    renames a few tensors on save (`_RENAMED_ON_SAVE`), so those models go through `save_pretrained`; the
-    others' state dict is already what it writes."""
-    sd = hf.state_dict()
-    fused = any(".experts." in k and "." not in k.rsplit(".experts.", 1)[1] for k in sd)
-    if not fused and hf.config.model_type not in _RENAMED_ON_SAVE:
-        return sd
-    import tempfile
-
-    from megatron_patch.conversion.hf_io import read_all
-
-    with tempfile.TemporaryDirectory() as tmp:
-        hf.save_pretrained(tmp)
-        return read_all(tmp)
 
 
 def all_variants() -> list[str]:

@@ -191,6 +191,26 @@ def read_all(path: str) -> dict[str, Tensor]:
     return {k: ckpt.get(k) for k in ckpt.keys()}
 
 
+# models transformers 5 holds under other names in memory than it writes (GPT-NeoX: `lm_head` / `embed_out`)
+RENAMED_ON_SAVE = ("gpt_neox",)
+
+
+def checkpoint_state_dict(hf) -> dict[str, Tensor]:
+    """The tensors of an in-memory transformers model as its checkpoint stores them. transformers 5 holds
+    mixture-of-experts weights fused in memory (`experts.gate_up_proj`) and writes the per-expert names of
+    released checkpoints, and renames a few tensors on save (`RENAMED_ON_SAVE`), so those models go through
+    `save_pretrained` (a temporary folder, read back); the others' state dict is already what it writes."""
+    sd = hf.state_dict()
+    fused = any(".experts." in k and "." not in k.rsplit(".experts.", 1)[1] for k in sd)
+    if not fused and hf.config.model_type not in RENAMED_ON_SAVE:
+        return sd
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        hf.save_pretrained(tmp)
+        return read_all(tmp)
+
+
 def parse_size(text: str) -> int:
     """'5GB' / '500MB' / '1024' -> bytes."""
     units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "B": 1}

@@ -69,6 +69,20 @@ def test_tiny_shape_on_cpu(tmp_path, cpu_megatron):
     assert versions["megatron-core"] == importlib.metadata.version("megatron-core")
 
 
+def test_multi_latent_attention_shape_on_both_engines(tmp_path, cpu_megatron):
+    """A DeepSeek shape (multi-latent attention) runs its rows on both engines; `--mla-gpu` is the switch that lets
+    the dynamic engine take it on a GPU (no effect on a CPU, where it runs anyway)."""
+    from megatron_patch.inference import dynamic
+
+    result = _bench().main(["--shapes", "tiny-mla", "--device", "cpu", "--impl", "local", "--dtype", "fp32",
+                            "--requests", "2", "--new", "3", "--min-prompt", "4", "--max-prompt", "70", "--repeat",
+                            "1", "--hf", "hf", "--mla-gpu", "--prompts", str(tmp_path / "p.jsonl")])
+    assert [r["run"] for r in result["rows"]] == ["ours (dynamic engine)", "ours (static engine)", "HF generate"]
+    assert all("skipped" not in r for r in result["rows"]), result["rows"]
+    assert dynamic.MLA_ON_GPU
+    dynamic.MLA_ON_GPU = False
+
+
 def test_engines_choose_our_rows(tmp_path, cpu_megatron):
     """`--engines dynamic` leaves out the static engine's row (minutes at 256 requests on the GPU)."""
     result = _bench().main(["--shapes", "tiny", "--device", "cpu", "--impl", "local", "--dtype", "fp32",
