@@ -789,17 +789,18 @@ def _alibi_paged_attention() -> Callable[[], None] | None:
 def _mla_latent_cache() -> Callable[[], None] | None:
     """Multi-latent attention (DeepSeek) on megatron-core's dynamic inference engine, through megatron-core's own
     cached-latent path (`cache_mla_latents`, `megatron/core/transformer/multi_latent_attention.py`, 0.18.2 to
-    0.19.x), which as shipped runs only with Transformer Engine and FlashMLA: `prepare_for_absorption` splits
-    TE's fused norm + linear `linear_kv_up_proj` into copies (`split_te_layernorm_column_parallel_linear`, None
-    without TE) and deletes it, so the model cannot train afterwards and the copies go stale when it does; decode
-    attends through FlashMLA's kernel; and 0.19 calls `flash_decode_and_prefill` without its `is_decode_only`
-    argument. Here `MLASelfAttention.prepare_for_absorption` (called at every forward pass) uses the layer's own
-    weights: the absorbed up-projections `up_k_weight` / `up_v_weight` are views of `linear_kv_up_proj`'s weight
-    and `linear_kv_up_proj_linear` is that layer (local) or its linear part (TE's fused layer, whose norm becomes
+    0.19.x), which as shipped runs only with Transformer Engine and FlashMLA: `prepare_for_absorption` splits TE's
+    fused norm + linear `linear_kv_up_proj` into copies (`split_te_layernorm_column_parallel_linear`, None without
+    TE) and deletes it, so the model cannot train afterwards and the copies go stale when it does; decode attends
+    through FlashMLA's kernel; and 0.19 calls `flash_decode_and_prefill` without its `is_decode_only` argument. Here
+    `MLASelfAttention.prepare_for_absorption` (called at every forward pass) uses the layer's own weights: the
+    absorbed up-projections `up_k_weight` / `up_v_weight` are views of `linear_kv_up_proj`'s weight and
+    `linear_kv_up_proj_linear` is that layer (local) or its linear part (TE's fused layer, whose norm becomes
     `kv_layernorm` for the call: `_FusedNorm`), none of them in the state dict; `mla_latent_forget` puts the layer
-    back as it was. `MultiLatentAttention.flash_decode_and_prefill` is `inference/paged_attention.py`'s
-    `mla_decode_and_prefill` in torch. The dynamic engine applies it for MLA models, with the latent switch on
-    for the call only (`inference.dynamic._latent_cache`)."""
+    back as it was. `MultiLatentAttention.flash_decode_and_prefill` attends in torch
+    (`inference/paged_attention.py`'s `mla_decode_and_prefill`), absorbed decode steps on a GPU on our split-KV
+    Triton kernel (`decode_attention.mla_decode_attention`, DeepSeek's shapes: `mla_supports`). The dynamic engine
+    applies it for MLA models, with the latent switch on for the call only (`inference.dynamic._latent_cache`)."""
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MultiLatentAttention
 
     from megatron_patch.inference import paged_attention
@@ -816,8 +817,22 @@ def _mla_latent_cache() -> Callable[[], None] | None:
         self.__dict__.update(up_k_weight=weight[:, : c.qk_head_dim], up_v_weight=weight[:, c.qk_head_dim:],
                              linear_kv_up_proj_linear=functools.partial(_linear_part, proj) if fused else proj)
 
+    from megatron_patch.inference import decode_attention as da
+
+    kernels_here = _gpu_with_triton()
+
+    def flash_decode_and_prefill(self, q, k, v, max_seqlen_q, max_seqlen_k, cu_seqlens_q, cu_seqlens_k, seqlens_k,
+                                 block_table, is_decode_only=None, softmax_offset=None):
+        rank = self.config.kv_lora_rank
+        if (kernels_here and v is None and softmax_offset is None and q.is_cuda and q.shape[0] == seqlens_k.shape[0]
+                and da.mla_supports(q[:, 0], k, rank)):  # absorbed decode, one query a request: the Triton kernel
+            return da.mla_decode_attention(q[:, 0], k, block_table, seqlens_k, self.softmax_scale, rank)[:, None]
+        return paged_attention.mla_decode_and_prefill(self, q, k, v, max_seqlen_q, max_seqlen_k, cu_seqlens_q,
+                                                      cu_seqlens_k, seqlens_k, block_table, is_decode_only,
+                                                      softmax_offset)
+
     targets = [(MLASelfAttention, "prepare_for_absorption", prepare_for_absorption),
-               (MultiLatentAttention, "flash_decode_and_prefill", paged_attention.mla_decode_and_prefill)]
+               (MultiLatentAttention, "flash_decode_and_prefill", flash_decode_and_prefill)]
     saved = [(owner, name, owner.__dict__.get(name)) for owner, name, _ in targets]
     for owner, name, value in targets:
         setattr(owner, name, value)

@@ -103,7 +103,59 @@ def _kernels():
         y = tl.sum(o * w[:, None], 0) / tl.where(total > 0, total, 1.0)
         tl.store(y_ptr + r * stride_yn + h * stride_yh + d, y.to(y_ptr.dtype.element_ty))
 
-    return split_kernel, combine_kernel
+    @triton.jit
+    def mla_split_kernel(q_ptr, c_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, scale, heads_total,
+                         stride_qn, stride_qh, stride_cb, stride_ct, stride_btn, stride_on, stride_oh, stride_os,
+                         stride_ln, stride_lh, PAGE: tl.constexpr, HB: tl.constexpr, D: tl.constexpr,
+                         DR: tl.constexpr, PART: tl.constexpr, BLOCK_T: tl.constexpr, DOT_F32: tl.constexpr):
+        r = tl.program_id(0)
+        hb = tl.program_id(1)
+        sp = tl.program_id(2)
+        kv_len = tl.load(len_ptr + r)
+        start = sp * PART
+        heads = hb * HB + tl.arange(0, HB)
+        h_ok = heads < heads_total
+        d = tl.arange(0, D)
+        dr = tl.arange(0, DR)
+        m_i = tl.full((HB,), float("-inf"), tl.float32)
+        l_i = tl.zeros((HB,), tl.float32)
+        acc = tl.zeros((HB, D), tl.float32)
+        if start < kv_len:
+            q_row = q_ptr + r * stride_qn + heads[:, None] * stride_qh
+            qn = tl.load(q_row + d[None, :], mask=h_ok[:, None], other=0.0)
+            qr = tl.load(q_row + D + dr[None, :], mask=h_ok[:, None], other=0.0)
+            for t0 in range(0, PART, BLOCK_T):
+                t = start + t0 + tl.arange(0, BLOCK_T)
+                t_ok = t < kv_len
+                page = tl.load(bt_ptr + r * stride_btn + t // PAGE, mask=t_ok, other=0).to(tl.int64)
+                row = c_ptr + page * stride_cb + (t % PAGE) * stride_ct
+                kn = tl.load(row[:, None] + d[None, :], mask=t_ok[:, None], other=0.0)  # the latent: key and value
+                kr = tl.load(row[:, None] + D + dr[None, :], mask=t_ok[:, None], other=0.0)  # the rotated part
+                if DOT_F32:  # Triton's interpreter: the same exact products in fp32
+                    s = (tl.dot(qn.to(tl.float32), tl.trans(kn.to(tl.float32)), input_precision="ieee")
+                         + tl.dot(qr.to(tl.float32), tl.trans(kr.to(tl.float32)), input_precision="ieee")) * scale
+                else:
+                    s = (tl.dot(qn, tl.trans(kn)) + tl.dot(qr, tl.trans(kr))) * scale
+                s = tl.where(t_ok[None, :], s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                p = tl.exp(s - m_safe[:, None])
+                alpha = tl.exp(m_i - m_safe)
+                l_i = l_i * alpha + tl.sum(p, 1)
+                if DOT_F32:
+                    pv = tl.dot(p.to(kn.dtype).to(tl.float32), kn.to(tl.float32), input_precision="ieee")
+                else:
+                    pv = tl.dot(p.to(kn.dtype), kn)
+                acc = acc * alpha[:, None] + pv
+                m_i = m_new
+        seen = l_i > 0
+        out = acc / tl.where(seen, l_i, 1.0)[:, None]
+        lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
+        tl.store(o_ptr + r * stride_on + heads[:, None] * stride_oh + sp * stride_os + d[None, :], out,
+                 mask=h_ok[:, None])
+        tl.store(lse_ptr + r * stride_ln + heads * stride_lh + sp, lse, mask=h_ok)
+
+    return split_kernel, combine_kernel, mla_split_kernel
 
 
 def part_for(requests: int, kv_heads: int, max_len: int) -> int:
@@ -135,7 +187,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     o_part = torch.empty((n, heads, splits, dim), dtype=torch.float32, device=q.device)
     lse = torch.empty((n, heads, splits), dtype=torch.float32, device=q.device)
     y = torch.empty_like(q)
-    split_kernel, combine_kernel = _kernels()
+    split_kernel, combine_kernel, _ = _kernels()
     alibi = slopes is not None
     slopes = slopes.to(q.device, torch.float32).contiguous() if alibi else lse  # (unread without ALiBi)
     split_kernel[(n, kv_heads, splits)](
@@ -147,4 +199,47 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     combine_kernel[(n, heads)](o_part, lse, y, splits, o_part.stride(0), o_part.stride(1), o_part.stride(2),
                                lse.stride(0), lse.stride(1), y.stride(0), y.stride(1),
                                S_PAD=max(2, triton.next_power_of_2(splits)), D=dim, num_warps=4)
+    return y
+
+
+MLA_HEADS_PER_PROGRAM = 16  # query heads a program attends for (the smallest row count of a tensor-core product)
+
+
+def mla_supports(q: torch.Tensor, latents: torch.Tensor, rank: int) -> bool:
+    """Shapes `mla_decode_attention` takes: 16-bit inputs, a latent of 16..512 and a rotated part of 16..128
+    dims (powers of two; DeepSeek: 512 and 64), pages of whole tiles."""
+    rope = latents.shape[-1] - rank
+    return (q.dtype in (torch.bfloat16, torch.float16) and latents.dtype == q.dtype and q.shape[-1] == latents.shape[-1]
+            and rank & (rank - 1) == 0 and 16 <= rank <= 512 and rope & (rope - 1) == 0 and 16 <= rope <= 128
+            and latents.shape[1] % BLOCK_T == 0 and q.stride(-1) == latents.stride(-1) == 1)
+
+
+def mla_decode_attention(q: torch.Tensor, latents: torch.Tensor, block_table: torch.Tensor, seqlens_k: torch.Tensor,
+                         scale: float, rank: int) -> torch.Tensor:
+    """Multi-latent attention's absorbed decode over megatron-core's paged latent cache, split-KV as
+    `decode_attention`: q [n, heads, rank + rope] (the key up-projection absorbed into the latent part), `latents`
+    [blocks, block_size, rank + rope] (one shared key head a token; its first `rank` dims are the value), returns
+    softmax(q k^T * scale) k[..., :rank] [n, heads, rank] in q's dtype, fp32 accumulation and softmax. Programs
+    attend for `MLA_HEADS_PER_PROGRAM` heads each, so the latent tile is read once for them."""
+    import triton
+
+    n, heads, _ = q.shape
+    page = latents.shape[1]
+    blocks_of_heads = -(-heads // MLA_HEADS_PER_PROGRAM)
+    max_len = block_table.shape[1] * page
+    part = part_for(n, blocks_of_heads, max_len)
+    splits = -(-max_len // part)
+    o_part = torch.empty((n, heads, splits, rank), dtype=torch.float32, device=q.device)
+    lse = torch.empty((n, heads, splits), dtype=torch.float32, device=q.device)
+    y = q.new_empty((n, heads, rank))
+    _, combine_kernel, mla_split_kernel = _kernels()
+    mla_split_kernel[(n, blocks_of_heads, splits)](
+        q, latents, block_table, seqlens_k, o_part, lse, float(scale), heads, q.stride(0), q.stride(1),
+        latents.stride(0), latents.stride(1), block_table.stride(0), o_part.stride(0), o_part.stride(1),
+        o_part.stride(2), lse.stride(0), lse.stride(1), PAGE=page, HB=MLA_HEADS_PER_PROGRAM, D=rank,
+        DR=latents.shape[-1] - rank, PART=part, BLOCK_T=BLOCK_T, DOT_F32=os.environ.get("TRITON_INTERPRET") == "1",
+        num_warps=8)
+    combine_kernel[(n, heads)](o_part, lse, y, splits, o_part.stride(0), o_part.stride(1), o_part.stride(2),
+                               lse.stride(0), lse.stride(1), y.stride(0), y.stride(1),
+                               S_PAD=max(2, triton.next_power_of_2(splits)), D=rank, num_warps=4)
     return y

@@ -273,20 +273,25 @@ def test_alibi_on_the_dynamic_engine_equals_hf(tmp_path):
 
 @pytest.mark.smoke
 def test_mla_on_the_dynamic_engine_equals_hf(tmp_path, monkeypatch):
-    """Multi-latent attention on the dynamic engine on the GPU (the `mla_latent_cache` patch with Transformer
-    Engine's fused kv norm + linear: latents in pages of 64 tokens, prefill over them up-projected, decode absorbed,
-    attention in torch; CUDA graphs of decode-only steps), switched on for the test (`dynamic.MLA_ON_GPU`): a small
-    DeepSeek-V3 (random weights, TE, bf16) generates HF bf16's greedy tokens (near-ties allowed, as above), the
-    same with CUDA graphs as without, and the static engine's. Seconds per engine recorded (not asserted)."""
+    """Multi-latent attention on the dynamic engine on the GPU (the `mla_latent_cache` patch with Transformer Engine's
+    fused kv norm + linear: latents in pages of 64 tokens, prefill over them up-projected in torch, decode absorbed
+    on the Triton kernel `mla_decode_attention`; CUDA graphs of decode-only steps), switched on for the test
+    (`dynamic.MLA_ON_GPU`): a small DeepSeek-V3 (random weights, TE, bf16) generates HF bf16's greedy tokens
+    (near-ties allowed, as above), the same with CUDA graphs as without; whether it equals the static engine's and
+    the seconds per engine are recorded (not asserted)."""
     import time
 
-    from megatron_patch.inference import Sampling, choose_engine, dynamic, generate, load_model
+    from megatron_patch.inference import Sampling, choose_engine, decode_attention, dynamic, generate, load_model
     from megatron_patch.runtime.parallel import ensure_model_parallel
     from megatron_patch.tokenizer import TINY_TOKENIZER, build_tokenizer
     from tests.models import Case, any_config, checkpoint_state_dict, hf_model, save_case
 
     ensure_model_parallel(1, 1)
-    cfg = any_config("deepseek_v3")
+    # a latent of 64 and a rotated part of 16: shapes the Triton decode kernel takes (DeepSeek's: 512 and 64)
+    cfg = {**any_config("deepseek_v3"), "kv_lora_rank": 64, "qk_rope_head_dim": 16}
+    kernel_calls, kernel = [], decode_attention.mla_decode_attention
+    monkeypatch.setattr(decode_attention, "mla_decode_attention",
+                        lambda *args, **kwargs: kernel_calls.append(1) or kernel(*args, **kwargs))
     torch.manual_seed(0)
     ref = hf_model(cfg)
     c = Case(cfg, checkpoint_state_dict(ref), ref)
@@ -316,8 +321,8 @@ def test_mla_on_the_dynamic_engine_equals_hf(tmp_path, monkeypatch):
         rows.append({"prompt_len": len(prompt), "identical": mine == want, "first_diff": first,
                      "hf_margin_at_diff": None if first is None else round(margins[first], 4)})
     _record(test="mla_dynamic_engine", prompts=rows, graphs_on_equals_off=on == off, equals_static=on == static,
-            seconds={k: v[0] for k, v in seconds.items()})
-    assert on == off
+            seconds={k: v[0] for k, v in seconds.items()}, kernel_calls=len(kernel_calls))
+    assert kernel_calls and on == off  # decode steps on the Triton kernel (captured in the graphs, eager without)
     for r in rows:
         assert r["identical"] or r["hf_margin_at_diff"] < MARGIN[torch.bfloat16], r
     dynamic.release_engine()

@@ -161,6 +161,43 @@ def test_split_kv_decode_attention_equals_float64(interpreted, requests, heads, 
     assert torch.equal(y[lens == 0], torch.zeros_like(y[lens == 0]))
 
 
+@pytest.mark.parametrize("requests, heads, rank, rope, lengths", [
+    (3, 16, 64, 16, [1, 200, 0]),  # a single key, several pages, a padding row
+    (1, 20, 32, 16, [130]),  # a head count that is not a multiple of the heads a program takes
+    (2, 16, 512, 64, [70, 190]),  # DeepSeek's latent (512) and rotated part (64), V2-Lite's 16 heads
+])
+def test_mla_decode_attention_equals_float64(interpreted, requests, heads, rank, rope, lengths):
+    """Multi-latent attention's absorbed decode over the paged latent cache (one shared key row a token, its first
+    `rank` dims the value; pages of 64 as megatron-core's cached-latent path keeps them): equal to the torch
+    attention of the engine's CPU path (`attend` over the gathered latents) in float64, within the bf16
+    rounding bounds of the test above; a padding row gives 0."""
+    g = torch.Generator().manual_seed(sum(lengths) + heads + rank)
+    blocks, page = 4, 64
+    pool = requests * blocks + 3
+    latents = torch.randn(pool, page, rank + rope, generator=g).to(torch.bfloat16)
+    table = torch.stack([torch.randperm(pool, generator=g)[:blocks] for _ in range(requests)]).int()
+    lens = torch.tensor(lengths, dtype=torch.int32)
+    q = torch.randn(requests, heads, rank + rope, generator=g).to(torch.bfloat16)
+    scale = (rank + rope) ** -0.5
+    assert decode_attention.mla_supports(q, latents, rank)
+    y = decode_attention.mla_decode_attention(q, latents, table, lens, scale, rank)
+    keys = latents[table.long()].flatten(1, 2).double()[:, :, None]
+    ref = attend(q.double()[:, None], keys, keys[..., :rank], (lens.long() - 1)[:, None], lens.long(), scale, None,
+                 None)[:, 0]
+    bound = 2.0 ** -8 * keys[..., :rank].abs().amax() + 2.0 ** -7 * ref.abs() + 1e-6
+    assert y.shape == (requests, heads, rank) and y.dtype == q.dtype
+    assert ((y.double() - ref).abs() <= bound).all()
+    assert torch.equal(y[lens == 0], torch.zeros_like(y[lens == 0]))
+
+
+def test_mla_decode_attention_takes_deepseeks_shapes_only():
+    q, latents = torch.zeros(2, 16, 576, dtype=torch.bfloat16), torch.zeros(9, 64, 576, dtype=torch.bfloat16)
+    assert decode_attention.mla_supports(q, latents, 512)
+    assert not decode_attention.mla_supports(q.float(), latents.float(), 512)  # fp32: the torch path
+    assert not decode_attention.mla_supports(q[..., :24], latents[..., :24], 16)  # a rotated part of 8 dims
+    assert not decode_attention.mla_supports(q, torch.zeros(9, 32, 576, dtype=torch.bfloat16), 512)  # pages of 32
+
+
 def test_split_kv_decode_attention_splits_to_fill_the_gpu():
     """Requests x KV heads x splits reaches ~2 programs per SM, each split whole tiles, never past the table."""
     assert decode_attention.part_for(1, 8, 1280) == 64  # 20 splits of 64 (the target asks for 33)
