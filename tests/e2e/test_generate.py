@@ -550,6 +550,38 @@ def test_multi_latent_attention_runs_on_the_dynamic_engine(variant, cpu_megatron
     dynamic.release_engine()
 
 
+def _generate_mla(rank: int, hf_dir: str, prompts: list[list[int]]) -> dict[str, list[list[int]]]:
+    from megatron_patch.inference import Sampling, generate, load_model
+    from megatron_patch.models import Layout
+    from megatron_patch.tokenizer import build_tokenizer
+    from tests import _cpu
+
+    tok = build_tokenizer(TINY_TOKENIZER)
+    out = {}
+    for tp, pp in ((2, 1), (1, 2)):
+        _cpu.init_model_parallel(tp, pp)
+        model, _ = load_model(None, hf_dir, layout=Layout(tp, pp))
+        out[f"tp{tp}pp{pp}"] = generate(model, tok, prompts, Sampling(8, top_k=1), max_batch_size=2,
+                                        engine="dynamic")
+    return out
+
+
+def test_multi_latent_attention_at_tp2_and_pp2_on_the_dynamic_engine(cpu_megatron, tmp_path):
+    """The latent cache at TP = 2 (each rank caches the whole latent, its heads' absorbed up-projections are views
+    of its shard of `linear_kv_up_proj`) and at PP = 2 (each stage caches its own layers' latents): greedy tokens
+    = transformers' for prompts of mixed lengths, two in flight, on both ranks."""
+    from tests import _cpu
+    from tests.models import case, save_case
+
+    c = case("deepseek_v3")
+    hf_dir = save_case(c, str(tmp_path / "hf"))
+    prompts = [[5, 6, 7], [(7 * i) % 997 + 2 for i in range(70)], [9, 10, 11, 12]]
+    want = [_hf_greedy(c, p, 8) for p in prompts]
+    per_rank = _cpu.run_world(2, _generate_mla, hf_dir, prompts)
+    for layout in ("tp2pp1", "tp1pp2"):
+        assert per_rank[0][layout] == per_rank[1][layout] == want, layout
+
+
 class _FusedNormLinear(torch.nn.Module):
     """Transformer Engine's fused norm + linear as megatron-core's MLA holds it in `linear_kv_up_proj` (the kv
     norm inside, `kv_layernorm` an identity): its attribute names, in torch."""
