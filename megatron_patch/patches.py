@@ -791,16 +791,19 @@ def _mla_latent_cache() -> Callable[[], None] | None:
     cached-latent path (`cache_mla_latents`, `megatron/core/transformer/multi_latent_attention.py`, 0.18.2 to
     0.19.x), which as shipped runs only with Transformer Engine and FlashMLA: `prepare_for_absorption` splits TE's
     fused norm + linear `linear_kv_up_proj` into copies (`split_te_layernorm_column_parallel_linear`, None without
-    TE) and deletes it, so the model cannot train afterwards and the copies go stale when it does; decode attends
-    through FlashMLA's kernel; and 0.19 calls `flash_decode_and_prefill` without its `is_decode_only` argument. Here
-    `MLASelfAttention.prepare_for_absorption` (called at every forward pass) uses the layer's own weights: the
-    absorbed up-projections `up_k_weight` / `up_v_weight` are views of `linear_kv_up_proj`'s weight and
-    `linear_kv_up_proj_linear` is that layer (local) or its linear part (TE's fused layer, whose norm becomes
-    `kv_layernorm` for the call: `_FusedNorm`), none of them in the state dict; `mla_latent_forget` puts the layer
-    back as it was. `MultiLatentAttention.flash_decode_and_prefill` attends in torch
-    (`inference/paged_attention.py`'s `mla_decode_and_prefill`), absorbed decode steps on a GPU on our split-KV
-    Triton kernel (`decode_attention.mla_decode_attention`, DeepSeek's shapes: `mla_supports`). The dynamic engine
-    applies it for MLA models, with the latent switch on for the call only (`inference.dynamic._latent_cache`)."""
+    TE) and deletes it, so the model cannot train afterwards and the copies go stale when it does; each prefill or
+    mixed step up-projects the layer's whole latent cache (`uncompress_kv_from_cache`), whatever the step's requests
+    hold; decode attends through FlashMLA's kernel; and 0.19 calls `flash_decode_and_prefill` without its
+    `is_decode_only` argument. Here `MLASelfAttention.prepare_for_absorption` (called at every forward pass) uses
+    the layer's own weights: the absorbed up-projections `up_k_weight` / `up_v_weight` are views of
+    `linear_kv_up_proj`'s weight and `linear_kv_up_proj_linear` is that layer (local) or its linear part (TE's fused
+    layer, whose norm becomes `kv_layernorm` for the call: `_FusedNorm`), none of them in the state dict;
+    `mla_latent_forget` puts the layer back as it was. `uncompress_kv_from_cache` hands the latents on, and
+    `MultiLatentAttention. flash_decode_and_prefill` attends in torch (`inference/paged_attention.py`): prefill
+    request by request over its own blocks up-projected (`mla_prefill`), decode absorbed (`mla_decode`; on a GPU on
+    our split-KV Triton kernel, `decode_attention.mla_decode_attention`, for DeepSeek's shapes: `mla_supports`). The
+    dynamic engine applies it for MLA models, with the latent switch on for the call only
+    (`inference.dynamic._latent_cache`)."""
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MultiLatentAttention
 
     from megatron_patch.inference import paged_attention
@@ -821,17 +824,27 @@ def _mla_latent_cache() -> Callable[[], None] | None:
 
     kernels_here = _gpu_with_triton()
 
+    uncompress = MLASelfAttention.uncompress_kv_from_cache
+
+    def latents_for_prefill(self, kv_cache):
+        # Attention._adjust_key_value_for_inference asks for the whole cache up-projected before a prefill / mixed
+        # step: hand the latents on, and flash_decode_and_prefill up-projects each request's blocks only
+        self.__dict__["_mla_latent_prefill"] = True
+        return kv_cache, None
+
     def flash_decode_and_prefill(self, q, k, v, max_seqlen_q, max_seqlen_k, cu_seqlens_q, cu_seqlens_k, seqlens_k,
                                  block_table, is_decode_only=None, softmax_offset=None):
+        if self.__dict__.pop("_mla_latent_prefill", False):
+            return paged_attention.mla_prefill(self, q, k, cu_seqlens_q, seqlens_k, block_table, uncompress,
+                                               softmax_offset)
         rank = self.config.kv_lora_rank
-        if (kernels_here and v is None and softmax_offset is None and q.is_cuda and q.shape[0] == seqlens_k.shape[0]
-                and da.mla_supports(q[:, 0], k, rank)):  # absorbed decode, one query a request: the Triton kernel
+        if (kernels_here and softmax_offset is None and q.is_cuda and q.shape[0] == seqlens_k.shape[0]
+                and da.mla_supports(q[:, 0], k, rank)):  # one query a request: the Triton kernel
             return da.mla_decode_attention(q[:, 0], k, block_table, seqlens_k, self.softmax_scale, rank)[:, None]
-        return paged_attention.mla_decode_and_prefill(self, q, k, v, max_seqlen_q, max_seqlen_k, cu_seqlens_q,
-                                                      cu_seqlens_k, seqlens_k, block_table, is_decode_only,
-                                                      softmax_offset)
+        return paged_attention.mla_decode(self, q, k, block_table, seqlens_k, softmax_offset)
 
     targets = [(MLASelfAttention, "prepare_for_absorption", prepare_for_absorption),
+               (MLASelfAttention, "uncompress_kv_from_cache", latents_for_prefill),
                (MultiLatentAttention, "flash_decode_and_prefill", flash_decode_and_prefill)]
     saved = [(owner, name, owner.__dict__.get(name)) for owner, name, _ in targets]
     for owner, name, value in targets:

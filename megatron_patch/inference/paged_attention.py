@@ -72,42 +72,61 @@ def flash_decode_and_prefill(self, q, k, v, max_seqlen_q, max_seqlen_k, cu_seqle
         out = attend(q.reshape(n, s, *q.shape[2:]), keys, values, q_pos, seqlens_k, scale, window, softmax_offset,
                      slopes)
         return out.reshape(n * s, 1, *out.shape[2:])
-    q = q.squeeze(1)
-    out = q.new_zeros(*q.shape[:-1], v.shape[-1])  # padding tokens past the last request stay 0
-    starts, lengths = cu_seqlens_q.tolist(), seqlens_k.tolist()
     block_size = k.shape[1]
+
+    def keys_values(r: int, kv_len: int):
+        blocks = block_table[r, : -(-kv_len // block_size)]
+        return k[blocks].flatten(0, 1)[None, :kv_len], v[blocks].flatten(0, 1)[None, :kv_len]
+
+    return prefill_by_request(q, cu_seqlens_q, seqlens_k, v.shape[-1], keys_values, scale, window, softmax_offset,
+                              slopes)
+
+
+def prefill_by_request(q, cu_seqlens_q, seqlens_k, dv: int, keys_values, scale: float, window, sink, slopes=None):
+    """A prefill / mixed step's attention request by request: queries q [tokens, 1, h, d] laid out request after
+    request (`cu_seqlens_q`), each request's new tokens the last positions of its `seqlens_k`; `keys_values(r,
+    kv_len)` gives request r's keys and values [1, kv_len, hk, d | dv]. Returns [tokens, 1, h, dv] (padding
+    tokens past the last request 0)."""
+    q = q.squeeze(1)
+    out = q.new_zeros(*q.shape[:-1], dv)
+    starts, lengths = cu_seqlens_q.tolist(), seqlens_k.tolist()
     for r, kv_len in enumerate(lengths):
         first, last = starts[r], starts[r + 1]
         if last == first:
             continue
-        blocks = block_table[r, : -(-kv_len // block_size)]
-        keys = k[blocks].flatten(0, 1)[None, :kv_len]
-        values = v[blocks].flatten(0, 1)[None, :kv_len]
+        keys, values = keys_values(r, kv_len)
         q_pos = (kv_len - (last - first) + torch.arange(last - first, device=q.device))[None]
-        out[first:last] = attend(q[None, first:last], keys, values, q_pos, seqlens_k[r: r + 1], scale, window,
-                                 softmax_offset, slopes)[0]
+        out[first:last] = attend(q[None, first:last], keys, values, q_pos, seqlens_k[r: r + 1], scale, window, sink,
+                                 slopes)[0]
     return out.unsqueeze(1)
 
 
-def mla_decode_and_prefill(self, q, k, v, max_seqlen_q, max_seqlen_k, cu_seqlens_q, cu_seqlens_k, seqlens_k,
-                           block_table, is_decode_only=None, softmax_offset=None):
-    """`flash_decode_and_prefill` of a multi-latent attention layer with cached latents (megatron-core's
-    `cache_mla_latents` path, `MultiLatentAttention.forward`; the `mla_latent_cache` patch puts this in place),
-    in torch. The paged cache holds one row a token: its normed KV latent and its rotated key position part
-    [blocks, block_size, kv_lora_rank + qk_pos_emb_head_dim]. Prefill and mixed steps arrive with that cache
-    up-projected (`uncompress_kv_from_cache`: keys [blocks, block_size, h, qk_head_dim + qk_pos_emb_head_dim],
-    values [.., v_head_dim]) and attend as any other layer. Decode-only steps arrive with the latent cache as
-    `k`, no `v`, and queries with the key up-projection absorbed [tokens, 1, h, kv_lora_rank +
-    qk_pos_emb_head_dim]: one shared key head, the latent part of each row its value; the result, [tokens, 1, h,
-    kv_lora_rank], is up-projected to the values by the layer. (megatron-core 0.19 calls this without
-    `is_decode_only`: a missing `v` says decode.)"""
-    if v is not None:
-        return flash_decode_and_prefill(self, q, k, v, max_seqlen_q, max_seqlen_k, cu_seqlens_q, cu_seqlens_k,
-                                        seqlens_k, block_table, False, softmax_offset)
+def mla_decode(self, q, latents, block_table, seqlens_k, softmax_offset=None):
+    """Multi-latent attention's decode-only step over the paged latent cache, in torch (megatron-core's
+    cached-latent path, `cache_mla_latents`; the `mla_latent_cache` patch calls this): `latents` [blocks,
+    block_size, kv_lora_rank + qk_pos_emb_head_dim] hold one row a token (its normed KV latent and its rotated key
+    part); the queries [tokens, 1, h, kv_lora_rank + qk_pos_emb_head_dim] have the key up-projection absorbed.
+    One shared key head, the latent part of each row its value: returns [tokens, 1, h, kv_lora_rank], which the
+    layer up-projects to the values."""
     n = seqlens_k.shape[0]
     s = q.shape[0] // n
-    latents = k[block_table].flatten(1, 2)[:, :, None]  # [n, blocks * size, 1, rank + rope]
+    rows = latents[block_table].flatten(1, 2)[:, :, None]  # [n, blocks * size, 1, rank + rope]
     q_pos = seqlens_k[:, None] - s + torch.arange(s, device=q.device)[None, :]
-    out = attend(q.reshape(n, s, *q.shape[2:]), latents, latents[..., : self.config.kv_lora_rank], q_pos,
-                 seqlens_k, self.softmax_scale, None, softmax_offset)
+    out = attend(q.reshape(n, s, *q.shape[2:]), rows, rows[..., : self.config.kv_lora_rank], q_pos, seqlens_k,
+                 self.softmax_scale, None, softmax_offset)
     return out.reshape(n * s, 1, *out.shape[2:])
+
+
+def mla_prefill(self, q, latents, cu_seqlens_q, seqlens_k, block_table, uncompress, softmax_offset=None):
+    """Multi-latent attention's prefill / mixed step over the paged latent cache, in torch, request by request:
+    each request's latents (its blocks only) up-projected to keys and values by `uncompress(self, latents)`
+    (megatron-core's `uncompress_kv_from_cache`, which as shipped up-projects the layer's whole cache every such
+    step), and its queries [tokens, 1, h, qk_head_dim + qk_pos_emb_head_dim] attending over them causally.
+    Returns [tokens, 1, h, v_head_dim] (padding tokens past the last request 0)."""
+    page = latents.shape[1]
+
+    def keys_values(r: int, kv_len: int):  # [1, kv_len, h, qk + rope], [1, kv_len, h, v]
+        return uncompress(self, latents[block_table[r, : -(-kv_len // page)]].flatten(0, 1)[None, :kv_len])
+
+    return prefill_by_request(q, cu_seqlens_q, seqlens_k, self.config.v_head_dim, keys_values, self.softmax_scale,
+                              None, softmax_offset)

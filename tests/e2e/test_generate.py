@@ -520,6 +520,8 @@ def test_multi_latent_attention_runs_on_the_dynamic_engine(variant, cpu_megatron
     queries (`mla_latent_cache` patch). Greedy tokens = transformers' generate for prompts of mixed lengths,
     one longer than a block, as on the static engine. The latent switch is on for the call only and the layers
     keep their weights: a training forward pass after generating gives the same logits as before it."""
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
     from megatron_patch import patches
     from megatron_patch.inference import Sampling, choose_engine, dynamic, generate, paged_attention
     from megatron_patch.tokenizer import build_tokenizer
@@ -531,17 +533,22 @@ def test_multi_latent_attention_runs_on_the_dynamic_engine(variant, cpu_megatron
     before = model(ids, torch.arange(8)[None], None).detach().clone()
     prompts = [[5, 6, 7], [(7 * i) % 997 + 2 for i in range(70)], [9, 10, 11, 12, 13, 14]]
     want = [_hf_greedy(c, p, 10) for p in prompts]
-    calls, original = [], paged_attention.mla_decode_and_prefill
+    calls, up = [], []
+    for name in ("mla_prefill", "mla_decode"):
+        def spy(self, q, latents, *args, name=name, original=getattr(paged_attention, name)):
+            calls.append((name, latents.dim(), q.shape[-1]))
+            return original(self, q, latents, *args)
 
-    def spy(self, q, k, v, *args, **kwargs):
-        calls.append(("prefill" if v is not None else "decode", k.dim(), q.shape[-1]))
-        return original(self, q, k, v, *args, **kwargs)
-
-    monkeypatch.setattr(paged_attention, "mla_decode_and_prefill", spy)
+        monkeypatch.setattr(paged_attention, name, spy)
+    uncompress = MLASelfAttention.uncompress_kv_from_cache
+    monkeypatch.setattr(MLASelfAttention, "uncompress_kv_from_cache",
+                        lambda self, rows: up.append(rows.numel() // rows.shape[-1]) or uncompress(self, rows))
     assert generate(model, tok, prompts, Sampling(10, top_k=1), engine="dynamic") == want
-    cfg = model.config  # prefill over up-projected keys per head; decode over the latent rows, absorbed queries
-    assert ("prefill", 4, cfg.qk_head_dim + cfg.qk_pos_emb_head_dim) in calls
-    assert ("decode", 3, cfg.kv_lora_rank + cfg.qk_pos_emb_head_dim) in calls
+    cfg = model.config  # prefill: queries per head over the latents; decode: absorbed queries over the latents
+    assert ("mla_prefill", 3, cfg.qk_head_dim + cfg.qk_pos_emb_head_dim) in calls
+    assert ("mla_decode", 3, cfg.kv_lora_rank + cfg.qk_pos_emb_head_dim) in calls
+    # each prefill up-projects its own request's latents, not the whole cache (pages of 64 for 3 requests)
+    assert up and max(up) <= max(map(len, prompts)) + 10
     assert generate(model, tok, prompts, Sampling(10, top_k=1), engine="static") == want
     assert not patches.is_active("mla_latent_cache") and not model.config.cache_mla_latents
     layers = [m for m in model.modules() if hasattr(m, "cache_mla_latents")]
