@@ -66,8 +66,9 @@ DECODE_ROPE: bool | None = None
 # off): one request 6.62 -> 5.99 ms a step, 32 requests 7.81 -> 6.54 ms.
 SAMPLING_NO_SYNC: bool = True
 # Multi-latent attention (DeepSeek) on the dynamic engine on a GPU (the `mla_latent_cache` patch: latents in the
-# paged cache, attention in torch). Off until measured there: on a GPU `auto` keeps MLA models on the static
-# engine (`unsupported_attention`); the GPU test `test_mla_on_the_dynamic_engine_equals_hf` turns it on.
+# paged cache, prefill in torch, decode on our Triton kernel). Off until measured there: on a GPU `auto` keeps
+# MLA models on the static engine (`unsupported_attention`); the GPU test `test_mla_on_the_dynamic_engine_equals_hf`
+# turns it on.
 MLA_ON_GPU: bool = False
 
 
@@ -214,8 +215,9 @@ def unsupported_attention(model) -> str | None:
     """Why megatron-core's dynamic engine cannot run this model's attention here, or None. The engine attends
     through its own paged-KV kernel (`Attention.flash_decode_and_prefill`), not the layer's core
     attention: ALiBi biases are added there by the `alibi_paged_attention` patch; multi-latent attention
-    (DeepSeek) runs megatron-core's cached-latent path with the `mla_latent_cache` patch, in torch, tested on
-    a CPU: on a GPU (Transformer Engine's fused layers, CUDA graphs, speed against the static engine) not yet."""
+    (DeepSeek) runs megatron-core's cached-latent path with the `mla_latent_cache` patch, tested on a CPU (its
+    GPU decode kernel under Triton's interpreter): on a GPU (Transformer Engine's fused layers, CUDA graphs, speed
+    against the static engine) only with `MLA_ON_GPU` until measured there."""
     import torch
 
     if latent_attention(model) and torch.cuda.is_available() and not MLA_ON_GPU:
