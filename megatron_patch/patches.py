@@ -799,14 +799,18 @@ def _mla_latent_cache() -> Callable[[], None] | None:
     `linear_kv_up_proj`'s weight and `linear_kv_up_proj_linear` is that layer (local) or its linear part (TE's fused
     layer, whose norm becomes `kv_layernorm` for the call: `_FusedNorm`), none of them in the state dict;
     `mla_latent_forget` puts the layer back as it was. `uncompress_kv_from_cache` hands the latents on, and
-    `MultiLatentAttention. flash_decode_and_prefill` attends in torch (`inference/paged_attention.py`): prefill
+    `MultiLatentAttention.flash_decode_and_prefill` attends in torch (`inference/paged_attention.py`): prefill
     request by request over its own blocks up-projected (`mla_prefill`), decode absorbed (`mla_decode`; on a GPU on
     our split-KV Triton kernel, `decode_attention.mla_decode_attention`, for DeepSeek's shapes: `mla_supports`). The
     dynamic engine applies it for MLA models, with the latent switch on for the call only
     (`inference.dynamic._latent_cache`)."""
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MultiLatentAttention
 
+    from megatron_patch.inference import decode_attention as da
     from megatron_patch.inference import paged_attention
+
+    kernels_here = _gpu_with_triton()
+    uncompress = MLASelfAttention.uncompress_kv_from_cache
 
     def prepare_for_absorption(self) -> None:
         proj = self.linear_kv_up_proj
@@ -819,12 +823,6 @@ def _mla_latent_cache() -> Callable[[], None] | None:
                                   c.kv_lora_rank)
         self.__dict__.update(up_k_weight=weight[:, : c.qk_head_dim], up_v_weight=weight[:, c.qk_head_dim:],
                              linear_kv_up_proj_linear=functools.partial(_linear_part, proj) if fused else proj)
-
-    from megatron_patch.inference import decode_attention as da
-
-    kernels_here = _gpu_with_triton()
-
-    uncompress = MLASelfAttention.uncompress_kv_from_cache
 
     def latents_for_prefill(self, kv_cache):
         # Attention._adjust_key_value_for_inference asks for the whole cache up-projected before a prefill / mixed

@@ -60,7 +60,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     o_part = torch.empty((n, heads, splits, dim), dtype=torch.float32, device=q.device)
     lse = torch.empty((n, heads, splits), dtype=torch.float32, device=q.device)
     y = torch.empty_like(q)
-    split_kernel, combine_kernel, _ = _kernels()
+    split_kernel = _kernels()[0]
     alibi = slopes is not None
     slopes = slopes.to(q.device, torch.float32).contiguous() if alibi else lse  # (unread without ALiBi)
     split_kernel[(n, kv_heads, splits)](
@@ -69,10 +69,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         v_cache.stride(2), block_table.stride(0), o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse.stride(0), lse.stride(1), PAGE=page, GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), D=dim,
         PART=part, BLOCK_T=BLOCK_T, DOT_F32=os.environ.get("TRITON_INTERPRET") == "1", ALIBI=alibi, num_warps=4)
-    combine_kernel[(n, heads)](o_part, lse, y, splits, o_part.stride(0), o_part.stride(1), o_part.stride(2),
-                               lse.stride(0), lse.stride(1), y.stride(0), y.stride(1),
-                               S_PAD=max(2, triton.next_power_of_2(splits)), D=dim, num_warps=4)
-    return y
+    return _combine(o_part, lse, y)
 
 
 MLA_HEADS_PER_PROGRAM = 16  # query heads a program attends for (the smallest row count of a tensor-core product)
@@ -94,8 +91,6 @@ def mla_decode_attention(q: torch.Tensor, latents: torch.Tensor, block_table: to
     [blocks, block_size, rank + rope] (one shared key head a token; its first `rank` dims are the value), returns
     softmax(q k^T * scale) k[..., :rank] [n, heads, rank] in q's dtype, fp32 accumulation and softmax. Programs
     attend for `MLA_HEADS_PER_PROGRAM` heads each, so the latent tile is read once for them."""
-    import triton
-
     n, heads, _ = q.shape
     page = latents.shape[1]
     blocks_of_heads = -(-heads // MLA_HEADS_PER_PROGRAM)
@@ -105,14 +100,23 @@ def mla_decode_attention(q: torch.Tensor, latents: torch.Tensor, block_table: to
     o_part = torch.empty((n, heads, splits, rank), dtype=torch.float32, device=q.device)
     lse = torch.empty((n, heads, splits), dtype=torch.float32, device=q.device)
     y = q.new_empty((n, heads, rank))
-    _, combine_kernel, mla_split_kernel = _kernels()
+    mla_split_kernel = _kernels()[2]
     mla_split_kernel[(n, blocks_of_heads, splits)](
         q, latents, block_table, seqlens_k, o_part, lse, float(scale), heads, q.stride(0), q.stride(1),
         latents.stride(0), latents.stride(1), block_table.stride(0), o_part.stride(0), o_part.stride(1),
         o_part.stride(2), lse.stride(0), lse.stride(1), PAGE=page, HB=MLA_HEADS_PER_PROGRAM, D=rank,
         DR=latents.shape[-1] - rank, PART=part, BLOCK_T=BLOCK_T, DOT_F32=os.environ.get("TRITON_INTERPRET") == "1",
         num_warps=8)
-    combine_kernel[(n, heads)](o_part, lse, y, splits, o_part.stride(0), o_part.stride(1), o_part.stride(2),
-                               lse.stride(0), lse.stride(1), y.stride(0), y.stride(1),
-                               S_PAD=max(2, triton.next_power_of_2(splits)), D=rank, num_warps=4)
+    return _combine(o_part, lse, y)
+
+
+def _combine(o_part: torch.Tensor, lse: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The splits' partial outputs o_part [n, heads, splits, dim] weighted by their log-sum-exps lse [n, heads,
+    splits] into y [n, heads, dim] (the second kernel of both decode attentions)."""
+    import triton
+
+    n, heads, splits, dim = o_part.shape
+    _kernels()[1][(n, heads)](o_part, lse, y, splits, o_part.stride(0), o_part.stride(1), o_part.stride(2),
+                              lse.stride(0), lse.stride(1), y.stride(0), y.stride(1),
+                              S_PAD=max(2, triton.next_power_of_2(splits)), D=dim, num_warps=4)
     return y

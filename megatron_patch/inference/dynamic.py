@@ -95,6 +95,12 @@ class EnginePlan:
     decode_attention: bool = False  # the split_kv_decode_attention patch (DECODE_ATTENTION): likewise
     decode_rope: bool = False  # the fused_decode_rope patch (DECODE_ROPE): likewise
     alibi: bool = False  # the model attends with ALiBi: the alibi_paged_attention patch (decode-only graphs)
+    latent: bool = False  # multi-latent attention: the mla_latent_cache patch, pages of MLA_BLOCK_SIZE_TOKENS
+
+    @property
+    def block_size_tokens(self) -> int:
+        """The KV cache's page size (`BLOCK_SIZE_TOKENS`, `MLA_BLOCK_SIZE_TOKENS`)."""
+        return MLA_BLOCK_SIZE_TOKENS if self.latent else BLOCK_SIZE_TOKENS
 
     def covers(self, other: EnginePlan) -> bool:
         """An engine built for this plan serves `other` as well: the same graphs, at least as much room, and
@@ -116,19 +122,15 @@ def latent_attention(model) -> bool:
     return any(isinstance(m, MultiLatentAttention) for m in model.modules())
 
 
-def block_size_tokens(model) -> int:
-    """The KV cache's page size for `model` (`BLOCK_SIZE_TOKENS`, `MLA_BLOCK_SIZE_TOKENS`)."""
-    return MLA_BLOCK_SIZE_TOKENS if latent_attention(model) else BLOCK_SIZE_TOKENS
-
-
-def kv_bytes_per_token(model) -> int:
+def kv_bytes_per_token(model, latent: bool | None = None) -> int:
     """Bytes of K and V one token occupies in this rank's cache (its layers, its share of KV heads); with
-    multi-latent attention, of its latent and rotated key part (one row a layer, on every TP rank whole)."""
+    multi-latent attention (`latent`, default: `latent_attention(model)`), of its latent and rotated key part (one
+    row a layer, on every TP rank whole)."""
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     config = model.config
     layers = sum(isinstance(m, TransformerLayer) for m in model.modules())
-    if latent_attention(model):
+    if latent_attention(model) if latent is None else latent:
         return layers * (config.kv_lora_rank + config.qk_pos_emb_head_dim) * config.params_dtype.itemsize
     heads = config.num_query_groups or config.num_attention_heads
     heads_here = max(1, heads // config.tensor_model_parallel_size)
@@ -150,8 +152,9 @@ def plan_engine(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, ma
     longest = max(len(p) for p in prompts)
     n = min(max_requests or default_max_requests(), len(prompts))
     n = -(-n // tp) * tp
-    page = block_size_tokens(model)
-    block = page * kv_bytes_per_token(model)
+    latent = latent_attention(model)
+    page = MLA_BLOCK_SIZE_TOKENS if latent else BLOCK_SIZE_TOKENS
+    block = page * kv_bytes_per_token(model, latent)
     blocks_per_request = -(-(longest + max_new_tokens) // page)
     need = (n * blocks_per_request + 1) * block  # + megatron's dummy block
     if kv_cache_gb is None:
@@ -185,14 +188,14 @@ def plan_engine(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, ma
     from megatron_patch.models.modules.alibi import has_alibi
 
     alibi = has_alibi(model)
-    latent = latent_attention(model)
     return EnginePlan(max_requests=n, bounded=n < len(prompts), max_sequence_length=longest + max_new_tokens,
                       max_tokens=max(DynamicInferenceContext.DEFAULT_MAX_TOKENS, longest, n),
                       kv_cache_gb=budget / 1024 ** 3, cuda_graphs=cuda_graphs,
                       # (attention in torch reads the prompts' lengths on the host: decode-only graphs only)
                       non_decode_graphs=not (patches.attends_in_torch(model.config.params_dtype) or alibi or latent),
                       async_scheduling=async_scheduling(), decode_gemv=wanted(DECODE_GEMV),
-                      decode_attention=wanted(DECODE_ATTENTION), decode_rope=wanted(DECODE_ROPE), alibi=alibi)
+                      decode_attention=wanted(DECODE_ATTENTION), decode_rope=wanted(DECODE_ROPE), alibi=alibi,
+                      latent=latent)
 
 
 def async_scheduling() -> bool:
@@ -247,7 +250,7 @@ def generate_dynamic(model, tokenizer, prompts: list[list[int]], sampling: Sampl
               patches.applied("sampling_without_stream_sync") if SAMPLING_NO_SYNC else contextlib.nullcontext(),
               # last: ALiBi layers attend with their bias before any other paged attention sees them
               patches.applied("alibi_paged_attention") if plan.alibi else contextlib.nullcontext(),
-              _latent_cache(model) if latent_attention(model) else contextlib.nullcontext()):
+              _latent_cache(model) if plan.latent else contextlib.nullcontext()):
             engine = _Engines.get(model, tokenizer, plan)
             return _run(engine, tokenizer, prompts, sampling, on_tokens)
 
@@ -416,7 +419,7 @@ def _build_engine(model, tokenizer, plan: EnginePlan):
     # the model's implementation: the default, NVLS, needs NVLink multicast (symmetric memory); NCCL's
     # all-gather needs nothing special (our models keep their own dispatcher either way).
     model.config.inference_moe_token_dispatcher_type = "nccl"
-    config = InferenceConfig(block_size_tokens=block_size_tokens(model), buffer_size_gb=plan.kv_cache_gb,
+    config = InferenceConfig(block_size_tokens=plan.block_size_tokens, buffer_size_gb=plan.kv_cache_gb,
                              max_requests=plan.max_requests, max_tokens=plan.max_tokens,
                              max_sequence_length=plan.max_sequence_length,
                              num_cuda_graphs=NUM_CUDA_GRAPHS if plan.cuda_graphs else None,

@@ -629,8 +629,8 @@ def test_multi_latent_attention_with_a_fused_kv_norm_on_the_dynamic_engine(cpu_m
 
 
 def test_multi_latent_attention_stays_on_the_static_engine_on_a_gpu(cpu_megatron, monkeypatch):
-    """On a GPU the latent path runs our torch attention, not yet measured there: `auto` keeps DeepSeek on
-    the static engine, and asking for the dynamic one says why."""
+    """On a GPU the latent path (TE's fused layers, the Triton decode kernel) is not yet measured: `auto` keeps
+    DeepSeek on the static engine, and `unsupported_attention` gives the reason the dynamic engine refuses with."""
     from megatron_patch.inference import choose_engine, dynamic
 
     _, model = _converted("deepseek_v3")

@@ -30,6 +30,19 @@ def hf_greedy(model, prompt: list[int], device: str) -> tuple[list[int], list[fl
     return out.sequences[0, len(prompt):].tolist(), [float(v[0] - v[1]) for v in top2]
 
 
+def greedy_rows(hf, prompts: list[list[int]], ours: list[list[int]], device: str) -> list[dict]:
+    """Per prompt: whether our tokens are HF's greedy ones, and where not, the first differing step and HF's
+    top-2 margin there (a divergence is explained only by a near-tie)."""
+    rows = []
+    for prompt, mine in zip(prompts, ours, strict=True):
+        ref, margins = hf_greedy(hf, prompt, device)
+        first = next((i for i, (a, b) in enumerate(zip(mine, ref)) if a != b), None)
+        rows.append({"prompt_len": len(prompt), "identical": mine == ref, "first_diff": first,
+                     "hf_margin_at_diff": None if first is None else round(margins[first], 4),
+                     "min_margin": round(min(margins), 4)})
+    return rows
+
+
 def compare_greedy(hf_dir: str, prompts: list[list[int]], dtype: torch.dtype, impl: str, device: str,
                    engine: str = "auto") -> dict:
     from transformers import AutoModelForCausalLM
@@ -42,13 +55,7 @@ def compare_greedy(hf_dir: str, prompts: list[list[int]], dtype: torch.dtype, im
     model, _ = load_model(None, hf_dir, impl=impl, dtype=dtype)
     ours = generate(model, build_tokenizer(hf_dir), prompts, Sampling(STEPS, top_k=1, stop_id=None),
                     max_batch_size=len(prompts), engine=engine)
-    rows = []
-    for prompt, mine in zip(prompts, ours):
-        ref, margins = hf_greedy(hf, prompt, device)
-        first = next((i for i, (a, b) in enumerate(zip(mine, ref)) if a != b), None)
-        rows.append({"prompt_len": len(prompt), "identical": mine == ref, "first_diff": first,
-                     "hf_margin_at_diff": None if first is None else round(margins[first], 4),
-                     "min_margin": round(min(margins), 4)})
+    rows = greedy_rows(hf, prompts, ours, device)
     return {"dtype": str(dtype).replace("torch.", ""), "impl": impl, "engine": engine, "prompts": rows,
             "identical": sum(r["identical"] for r in rows)}
 
@@ -259,12 +266,7 @@ def test_alibi_on_the_dynamic_engine_equals_hf(tmp_path):
     sampling, tok = Sampling(STEPS, top_k=1, stop_id=None), build_tokenizer(TINY_TOKENIZER)
     on = generate(model, tok, prompts, sampling, cuda_graphs=True, engine="dynamic")
     off = generate(model, tok, prompts, sampling, cuda_graphs=False, engine="dynamic")
-    rows = []
-    for prompt, mine in zip(prompts, on, strict=True):
-        ref, margins = hf_greedy(hf, prompt, "cuda")
-        first = next((i for i, (a, b) in enumerate(zip(mine, ref)) if a != b), None)
-        rows.append({"prompt_len": len(prompt), "identical": mine == ref, "first_diff": first,
-                     "hf_margin_at_diff": None if first is None else round(margins[first], 4)})
+    rows = greedy_rows(hf, prompts, on, "cuda")
     _record(test="alibi_dynamic_engine", prompts=rows, graphs_on_equals_off=on == off)
     assert on == off
     for r in rows:
@@ -314,12 +316,7 @@ def test_mla_on_the_dynamic_engine_equals_hf(tmp_path, monkeypatch):
         torch.cuda.synchronize()
         seconds[name] = (round(time.perf_counter() - start, 3), out)
     on, off, static = (seconds[k][1] for k in ("dynamic_graphs", "dynamic_eager", "static"))
-    rows = []
-    for prompt, mine in zip(prompts, on, strict=True):
-        want, margins = hf_greedy(hf, prompt, "cuda")
-        first = next((i for i, (a, b) in enumerate(zip(mine, want)) if a != b), None)
-        rows.append({"prompt_len": len(prompt), "identical": mine == want, "first_diff": first,
-                     "hf_margin_at_diff": None if first is None else round(margins[first], 4)})
+    rows = greedy_rows(hf, prompts, on, "cuda")
     _record(test="mla_dynamic_engine", prompts=rows, graphs_on_equals_off=on == off, equals_static=on == static,
             seconds={k: v[0] for k, v in seconds.items()}, kernel_calls=len(kernel_calls))
     assert kernel_calls and on == off  # decode steps on the Triton kernel (captured in the graphs, eager without)
