@@ -24,7 +24,7 @@ runs them with continuous batching, at most --max-requests in flight (a finished
 and KV cache blocks for a waiting one), over a paged KV cache of --kv-cache-gb per GPU (default: what the
 in-flight requests of the longest length need, at most half the GPU memory the weights leave), CUDA graphs
 on a GPU (--cuda-graph-impl). The static one runs fixed batches of --max-requests prompts. auto (the
-default) picks the static engine, whose GPU path is the measured one, and the dynamic one at --pp > 1.
+default) picks the dynamic engine, and the static one for multi-latent attention (DeepSeek) on a GPU.
 TP / PP / EP > 1 under torchrun.
 """
 
@@ -182,7 +182,8 @@ def parser() -> argparse.ArgumentParser:
                    "the longest length need, at most half the GPU memory the weights leave)")
     p.add_argument("--cuda-graph-impl", choices=("local", "none"), default=None,
                    help="dynamic engine: local captures megatron-core's inference CUDA graphs (block scope); "
-                   "none: eager (default: local on a GPU at --pp 1 and --ep 1, else none)")
+                   "none: eager (default: local on a GPU at --pp 1 and --ep 1 for models without MoE layers or "
+                   "multi-latent attention, whose graphs are refused; else none)")
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
                    help="print the text to stderr as it is generated (default: on for one prompt on a terminal)")
     return p

@@ -70,6 +70,10 @@ SAMPLING_NO_SYNC: bool = True
 # MLA models on the static engine (`unsupported_attention`); the GPU test `test_mla_on_the_dynamic_engine_equals_hf`
 # turns it on.
 MLA_ON_GPU: bool = False
+# CUDA graphs of multi-latent attention's decode steps. Off: on the H200 (2026-12-04) a dense DeepSeek-V3 with
+# graphs generated other tokens than without them from the first decode step on (3 of 4 prompts; HF margins up
+# to 0.31, not near-ties), cause not yet found; the GPU test `test_mla_cuda_graphs_equal_eager` keeps the case.
+MLA_GRAPHS: bool = False
 
 
 def default_max_requests() -> int:
@@ -142,8 +146,11 @@ def plan_engine(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, ma
     """The engine for these requests. `max_requests` (default `default_max_requests()`) is capped at the
     number of requests and rounded up to a multiple of TP (megatron-core splits requests over TP ranks
     in its CUDA-graph bookkeeping). `kv_cache_gb` None: the automatic budget (`KV_SHARE_OF_FREE_MEMORY`);
-    a budget that cannot hold the longest request is refused. `cuda_graphs` None: on a GPU, at PP = EP = 1
-    (graphs at PP > 1 are untested here; at EP > 1 megatron-core also wants MoE layers padded for them)."""
+    a budget that cannot hold the longest request is refused. `cuda_graphs` None: on a GPU, at PP = EP = 1, for
+    dense models without multi-latent attention (graphs at PP > 1 are untested here; MoE layers are refused:
+    megatron-core's dispatchers read the tokens per expert on the host unless padded to capacity,
+    `moe_pad_experts_for_cuda_graph_inference`, which needs the all-to-all dispatcher, and our MoE models use the
+    all-gather one; multi-latent attention is refused while `MLA_GRAPHS` is off)."""
     import torch
 
     from megatron_patch import patches
@@ -176,13 +183,24 @@ def plan_engine(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, ma
         raise ValueError(f"{given} holds {holds} tokens; the longest request needs {longest + max_new_tokens} "
                          f"({longest} prompt + {max_new_tokens} new tokens), in blocks of {page} tokens "
                          f"{blocks_per_request * block / 1024 ** 3:.3g} GiB: raise --kv-cache-gb")
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    moe = any(isinstance(m, MoELayer) for m in model.modules())
     if cuda_graphs is None:
         from megatron.core import parallel_state as ps
 
         cuda_graphs = (torch.cuda.is_available() and model.config.pipeline_model_parallel_size == 1
-                       and ps.get_expert_model_parallel_world_size() == 1)
+                       and ps.get_expert_model_parallel_world_size() == 1 and not moe
+                       and (MLA_GRAPHS or not latent))
     if cuda_graphs and not torch.cuda.is_available():
         raise ValueError("CUDA graphs need a GPU")
+    if cuda_graphs and moe:
+        raise ValueError(f"CUDA graphs of MoE layers: megatron-core's {model.config.moe_token_dispatcher_type} token "
+                         "dispatcher reads each expert's token count on the host, which a graph cannot capture; "
+                         "generate without CUDA graphs")
+    if cuda_graphs and latent and not MLA_GRAPHS:
+        raise ValueError("CUDA graphs of multi-latent attention: their tokens differed from eager decoding on the "
+                         "H200 (dynamic.MLA_GRAPHS); generate without CUDA graphs")
     from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
 
     from megatron_patch.models.modules.alibi import has_alibi

@@ -639,6 +639,37 @@ def test_multi_latent_attention_stays_on_the_static_engine_on_a_gpu(cpu_megatron
     assert choose_engine(model) == "static"
 
 
+@pytest.mark.parametrize("variant", ["mixtral", "deepseek_v3"])
+def test_moe_and_latent_attention_run_the_dynamic_engine_without_cuda_graphs(variant, cpu_megatron, monkeypatch):
+    """megatron-core's MoE token dispatchers read each expert's token count on the host (`.cpu()`, `.item()`),
+    which a CUDA graph cannot capture (on the H200, 2026-12-04: `Cannot copy between CPU and CUDA tensors during
+    CUDA graph capture`, all-gather dispatcher); only its drop-and-pad route avoids that, which the all-gather
+    dispatcher lacks. So on a GPU the dynamic engine runs MoE models eagerly by default, and asking for graphs
+    is refused with the reason; a dense model keeps its graphs. Multi-latent attention likewise, for now."""
+    from megatron_patch.inference import dynamic
+    from megatron_patch.models import build_model
+    from tests.models import case
+
+    _, model = _converted(variant)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert model.config.num_moe_experts
+    plan = dynamic.plan_engine(model, [[5, 6, 7]], 4, kv_cache_gb=0.01)
+    assert not plan.cuda_graphs
+    with pytest.raises(ValueError, match="CUDA graphs of MoE layers"):
+        dynamic.plan_engine(model, [[5, 6, 7]], 4, kv_cache_gb=0.01, cuda_graphs=True)
+    _, dense = _converted("gqa")
+    assert dynamic.plan_engine(dense, [[5, 6, 7]], 4, kv_cache_gb=0.01).cuda_graphs
+    # DeepSeek with no MoE layer (all dense: first_k_dense_replace = layers): multi-latent attention's graphs
+    # stay off until they decode as eagerly (`dynamic.MLA_GRAPHS`, off after the H200 run of 2026-12-04)
+    c = case("deepseek_v3")
+    dense = build_model({**c.cfg, "first_k_dense_replace": c.cfg["num_hidden_layers"]}).eval()
+    assert dense.config.num_moe_experts and not dynamic.plan_engine(dense, [[5, 6, 7]], 4, kv_cache_gb=0.01).cuda_graphs
+    with pytest.raises(ValueError, match="CUDA graphs of multi-latent attention"):
+        dynamic.plan_engine(dense, [[5, 6, 7]], 4, kv_cache_gb=0.01, cuda_graphs=True)
+    monkeypatch.setattr(dynamic, "MLA_GRAPHS", True)
+    assert dynamic.plan_engine(dense, [[5, 6, 7]], 4, kv_cache_gb=0.01).cuda_graphs
+
+
 # (Bloom's tiny random model greedily picks the same tokens without the bias: the check that the bias matters runs
 # on Baichuan2-13B's)
 @pytest.mark.parametrize("variant, bias_decides", [("bloom", False), ("baichuan2_13b", True)])
