@@ -273,53 +273,131 @@ def test_alibi_on_the_dynamic_engine_equals_hf(tmp_path):
         assert r["identical"] or r["hf_margin_at_diff"] < MARGIN[torch.bfloat16], r
 
 
-@pytest.mark.smoke
-def test_mla_on_the_dynamic_engine_equals_hf(tmp_path, monkeypatch):
-    """Multi-latent attention on the dynamic engine on the GPU (the `mla_latent_cache` patch with Transformer Engine's
-    fused kv norm + linear: latents in pages of 64 tokens, prefill over them up-projected in torch, decode absorbed
-    on the Triton kernel `mla_decode_attention`; CUDA graphs of decode-only steps), switched on for the test
-    (`dynamic.MLA_ON_GPU`): a small DeepSeek-V3 (random weights, TE, bf16) generates HF bf16's greedy tokens
-    (near-ties allowed, as above), the same with CUDA graphs as without; whether it equals the static engine's and
-    the seconds per engine are recorded (not asserted)."""
-    import time
-
-    from megatron_patch.inference import Sampling, choose_engine, decode_attention, dynamic, generate, load_model
+def _dense_mla(tmp_path, monkeypatch):
+    """A small dense DeepSeek-V3 (random weights, Transformer Engine, bf16; a latent of 64 and a rotated part of 16,
+    shapes the Triton decode kernel takes, DeepSeek's are 512 and 64; no MoE layer, which would keep the graphs off)
+    on the dynamic engine (`dynamic.MLA_ON_GPU` on for the test): (model, HF bf16 reference, prompts, a list that
+    counts the calls of the Triton decode kernel)."""
+    from megatron_patch.inference import choose_engine, decode_attention, dynamic, load_model
     from megatron_patch.runtime.parallel import ensure_model_parallel
-    from megatron_patch.tokenizer import TINY_TOKENIZER, build_tokenizer
     from tests.models import Case, any_config, checkpoint_state_dict, hf_model, save_case
 
     ensure_model_parallel(1, 1)
-    # a latent of 64 and a rotated part of 16: shapes the Triton decode kernel takes (DeepSeek's: 512 and 64)
     cfg = {**any_config("deepseek_v3"), "kv_lora_rank": 64, "qk_rope_head_dim": 16}
+    cfg["first_k_dense_replace"] = cfg["num_hidden_layers"]
     kernel_calls, kernel = [], decode_attention.mla_decode_attention
     monkeypatch.setattr(decode_attention, "mla_decode_attention",
                         lambda *args, **kwargs: kernel_calls.append(1) or kernel(*args, **kwargs))
     torch.manual_seed(0)
     ref = hf_model(cfg)
     c = Case(cfg, checkpoint_state_dict(ref), ref)
-    hf_dir = save_case(c, str(tmp_path / "deepseek"))
-    model, _ = load_model(None, hf_dir, impl="transformer_engine", dtype=torch.bfloat16)
+    model, _ = load_model(None, save_case(c, str(tmp_path / "deepseek")), impl="transformer_engine",
+                          dtype=torch.bfloat16)
     assert choose_engine(model) == "static"  # off by default on a GPU
     monkeypatch.setattr(dynamic, "MLA_ON_GPU", True)
     assert choose_engine(model) == "dynamic"
-    hf = c.ref.to("cuda", torch.bfloat16).eval()
     prompts = [[5, 6, 7], list(range(20, 120)), [30, 31], list(range(200, 230))]
+    return model, c.ref.to("cuda", torch.bfloat16).eval(), prompts, kernel_calls
+
+
+def _generate_timed(model, prompts, **kwargs) -> tuple[float, list[list[int]]]:
+    """(seconds, tokens) of greedy generation after a warm-up call (graph capture, compilation)."""
+    import time
+
+    from megatron_patch.inference import Sampling, generate
+    from megatron_patch.tokenizer import TINY_TOKENIZER, build_tokenizer
+
     sampling, tok = Sampling(STEPS, top_k=1, stop_id=None), build_tokenizer(TINY_TOKENIZER)
-    seconds = {}
-    runs = {"dynamic_graphs": {"cuda_graphs": True, "engine": "dynamic"},
-            "dynamic_eager": {"cuda_graphs": False, "engine": "dynamic"}, "static": {"engine": "static"}}
-    for name, kwargs in runs.items():
-        generate(model, tok, prompts, sampling, **kwargs)  # warm-up (graph capture, compilation)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        out = generate(model, tok, prompts, sampling, **kwargs)
-        torch.cuda.synchronize()
-        seconds[name] = (round(time.perf_counter() - start, 3), out)
-    on, off, static = (seconds[k][1] for k in ("dynamic_graphs", "dynamic_eager", "static"))
-    rows = greedy_rows(hf, prompts, on, "cuda")
-    _record(test="mla_dynamic_engine", prompts=rows, graphs_on_equals_off=on == off, equals_static=on == static,
-            seconds={k: v[0] for k, v in seconds.items()}, kernel_calls=len(kernel_calls))
-    assert kernel_calls and on == off  # decode steps on the Triton kernel (captured in the graphs, eager without)
+    generate(model, tok, prompts, sampling, **kwargs)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = generate(model, tok, prompts, sampling, **kwargs)
+    torch.cuda.synchronize()
+    return round(time.perf_counter() - start, 3), out
+
+
+@pytest.mark.smoke
+def test_mla_on_the_dynamic_engine_equals_hf(tmp_path, monkeypatch):
+    """Multi-latent attention on the dynamic engine on the GPU (the `mla_latent_cache` patch with Transformer Engine's
+    fused kv norm + linear: latents in pages of 64 tokens, prefill over them up-projected in torch, decode absorbed
+    on the Triton kernel `mla_decode_attention`; no CUDA graphs, `dynamic.MLA_GRAPHS`): a small dense DeepSeek-V3
+    generates HF bf16's greedy tokens (near-ties allowed, as above). Recorded, not asserted: whether the torch
+    decode (`paged_attention.mla_decode`) and the static engine give the same tokens, and the seconds of each."""
+    from megatron_patch.inference import decode_attention, dynamic
+
+    model, hf, prompts, kernel_calls = _dense_mla(tmp_path, monkeypatch)
+    assert not dynamic.plan_engine(model, prompts, STEPS).cuda_graphs
+    seconds, kernel_out = _generate_timed(model, prompts, engine="dynamic")
+    assert kernel_calls
+    with monkeypatch.context() as m:
+        m.setattr(decode_attention, "mla_supports", lambda *args: False)
+        torch_seconds, torch_out = _generate_timed(model, prompts, engine="dynamic")
+    static_seconds, static_out = _generate_timed(model, prompts, engine="static")
+    rows = greedy_rows(hf, prompts, kernel_out, "cuda")
+    _record(test="mla_dynamic_engine", prompts=rows, torch_decode_rows=greedy_rows(hf, prompts, torch_out, "cuda"),
+            kernel_equals_torch_decode=kernel_out == torch_out, equals_static=kernel_out == static_out,
+            seconds={"dynamic": seconds, "dynamic_torch_decode": torch_seconds, "static": static_seconds})
+    for r in rows:
+        assert r["identical"] or r["hf_margin_at_diff"] < MARGIN[torch.bfloat16], r
+    dynamic.release_engine()
+
+
+@pytest.mark.smoke
+@pytest.mark.xfail(strict=True, reason="multi-latent attention under CUDA graphs decoded other tokens than eagerly "
+                   "on the H200 (2026-12-04); dynamic.MLA_GRAPHS stays off until this passes")
+def test_mla_cuda_graphs_equal_eager(tmp_path, monkeypatch):
+    """The dense DeepSeek-V3 above with CUDA graphs of decode-only steps (`dynamic.MLA_GRAPHS` on for the test)
+    generates the same tokens as without them. Recorded for the diagnosis: the graphs' rows against HF, and
+    whether graphs with the torch decode instead of the Triton kernel equal eager."""
+    from megatron_patch.inference import decode_attention, dynamic
+
+    model, hf, prompts, _ = _dense_mla(tmp_path, monkeypatch)
+    monkeypatch.setattr(dynamic, "MLA_GRAPHS", True)
+    _, eager = _generate_timed(model, prompts, engine="dynamic", cuda_graphs=False)
+    _, graphs = _generate_timed(model, prompts, engine="dynamic", cuda_graphs=True)
+    dynamic.release_engine()
+    with monkeypatch.context() as m:
+        m.setattr(decode_attention, "mla_supports", lambda *args: False)
+        _, torch_graphs = _generate_timed(model, prompts, engine="dynamic", cuda_graphs=True)
+    dynamic.release_engine()
+    _record(test="mla_cuda_graphs", prompts=greedy_rows(hf, prompts, graphs, "cuda"),
+            graphs_equal_eager=graphs == eager, torch_decode_graphs_equal_eager=torch_graphs == eager)
+    assert graphs == eager
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("variant", ["mixtral", "deepseek_v3"])
+def test_moe_on_the_dynamic_engine_runs_without_graphs_and_equals_hf(tmp_path, monkeypatch, variant):
+    """MoE models on the dynamic engine on the GPU: megatron-core's all-gather token dispatcher reads the tokens per
+    expert on the host, which broke CUDA graph capture (2026-12-04, `Cannot copy between CPU and CUDA tensors during
+    CUDA graph capture`); `plan_engine` now leaves the graphs off for MoE layers and refuses them when asked. A small
+    Mixtral and a DeepSeek-V3 with MoE layers (multi-latent attention switched on, `dynamic.MLA_ON_GPU`; TE, bf16,
+    random weights) generate HF bf16's greedy tokens on the dynamic engine (near-ties allowed, as above)."""
+    from megatron_patch.inference import Sampling, dynamic, generate, load_model
+    from megatron_patch.runtime.parallel import ensure_model_parallel
+    from megatron_patch.tokenizer import TINY_TOKENIZER, build_tokenizer
+    from tests.models import Case, any_config, checkpoint_state_dict, hf_model, save_case
+
+    ensure_model_parallel(1, 1)
+    cfg = any_config(variant)
+    if variant == "mixtral":  # heads of 64: FA4's paged prefill refuses head dims it has no tiles for (the tiny 8)
+        cfg = {**cfg, "hidden_size": 512, "head_dim": 64}
+    if variant == "deepseek_v3":
+        cfg = {**cfg, "kv_lora_rank": 64, "qk_rope_head_dim": 16}
+        monkeypatch.setattr(dynamic, "MLA_ON_GPU", True)
+    torch.manual_seed(0)
+    ref = hf_model(cfg)
+    c = Case(cfg, checkpoint_state_dict(ref), ref)
+    hf_dir = save_case(c, str(tmp_path / variant))
+    model, _ = load_model(None, hf_dir, impl="transformer_engine", dtype=torch.bfloat16)
+    prompts = [[5, 6, 7], list(range(20, 120)), [30, 31], list(range(200, 230))]
+    assert not dynamic.plan_engine(model, prompts, STEPS).cuda_graphs
+    with pytest.raises(ValueError, match="CUDA graphs of MoE layers"):
+        dynamic.plan_engine(model, prompts, STEPS, cuda_graphs=True)
+    out = generate(model, build_tokenizer(TINY_TOKENIZER), prompts, Sampling(STEPS, top_k=1, stop_id=None),
+                   engine="dynamic")
+    rows = greedy_rows(c.ref.to("cuda", torch.bfloat16).eval(), prompts, out, "cuda")
+    _record(test="moe_dynamic_engine", variant=variant, prompts=rows)
     for r in rows:
         assert r["identical"] or r["hf_margin_at_diff"] < MARGIN[torch.bfloat16], r
     dynamic.release_engine()
