@@ -17,9 +17,10 @@ every installed distribution instead, for a study of one's own.
 hashes as the study's record: `--like none` to skip the check) from the same seed and data order as every other run,
 saving on the machine's local disk every `--save-every` iterations, so a run continues across device calls (its log
 is appended to; the newest `--keep-checkpoints` saves stay on disk). `--minutes` (or `--until-tokens`) makes
-Megatron save and stop early, so a call ends within its time limit. It writes OUT/runs/<run>.json: per iteration the
-training loss, tokens seen, step time and TFLOP/s; the held-out losses (each minute while it runs, and copied to
-$OUT/runs on the GPU machine).
+Megatron save and stop early, so a call ends within its time limit (after the minutes, at the end of an iteration
+and its evaluation: the held-out batches stay paired across continuations). It writes OUT/runs/<run>.json: per
+iteration the training loss, tokens seen, step time and TFLOP/s; the held-out losses (each minute while it runs,
+and copied to $OUT/runs on the GPU machine).
 
 `plot` (any machine, matplotlib) reads those JSON files and writes the figures (training and held-out loss vs
 tokens, FP8 - BF16 difference, throughput) and prints the summary table docs/convergence.md quotes: final
@@ -35,6 +36,7 @@ import os
 import subprocess
 import sys
 import sysconfig
+import time
 from importlib import metadata
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -70,6 +72,7 @@ RUNS: dict[str, tuple[str, list[str]]] = {
 }
 SEQ, MBS, GBS = 2048, 8, 32  # 65,536 tokens per iteration
 PROGRESS_S = 60  # seconds between a running run's progress lines (and its copies to $OUT)
+MINUTE_S = 60
 
 FIELDS = {"lm loss": "loss", "elapsed time per iteration (ms)": "ms", "throughput per GPU (TFLOP/s/GPU)": "tflops",
           "consumed samples": "samples", "grad norm": "grad_norm", "learning rate": "lr"}
@@ -180,6 +183,26 @@ def iterations(tokens: int) -> int:
     return max(1, tokens // (SEQ * GBS))
 
 
+def stop_workers(pid: int) -> list[int]:
+    """SIGTERM to the processes whose parent is `pid` (torchrun's ranks; Megatron, under --exit-signal-handler,
+    saves and exits at the end of the iteration in which every rank has it): their pids."""
+    import signal
+
+    ranks = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            if ppid == pid:
+                ranks.append(int(entry))
+    for rank in ranks:
+        os.kill(rank, signal.SIGTERM)
+    return ranks
+
+
 def train_command(out: str, run: str, tokens: int, gpus: int, tokenizer: str, vocab_size: int,
                   save_every: int, until_tokens: int | None = None, minutes: int | None = None) -> list[str]:
     model, flags = RUNS[run]
@@ -189,8 +212,13 @@ def train_command(out: str, run: str, tokens: int, gpus: int, tokenizer: str, vo
         json.dump(model_config(model, vocab_size), f)
     iters = iterations(tokens)
     stop = [] if until_tokens is None else ["--exit-interval", str(iterations(until_tokens))]
-    if minutes is not None:  # Megatron saves and exits once the process has run so long (start-up included)
-        stop += ["--exit-duration-in-mins", str(minutes)]
+    if minutes is not None:
+        # `train` sends SIGTERM after `minutes` (`stop_workers`); Megatron then saves and exits after the iteration
+        # and its evaluation. Not Megatron's --exit-duration-in-mins as the stop: it also stops inside an
+        # evaluation, whose batches then count as read, so the continued run reads every later evaluation's held-out
+        # batches early, unpaired with the other runs' (2026-12-04, fp8-delayed after iteration 480). It stays as
+        # the backstop, a minute later.
+        stop += ["--exit-signal-handler", "--exit-duration-in-mins", str(minutes + 1)]
     ckpt = os.path.join(out, "ckpt", run)
     moe = ["--expert-model-parallel-size", str(gpus), "--moe-grouped-gemm"] if model == "moe" else []
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(gpus), "-m",
@@ -444,12 +472,18 @@ def main(argv: list[str] | None = None) -> int:
         ckpt = os.path.join(a.out, "ckpt", a.run)  # train_command's --save / --load
         with open(log_path, "a") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+            stop_at = None if a.minutes is None else time.monotonic() + a.minutes * MINUTE_S
             while True:  # a progress line a minute (the run so far to $OUT); old checkpoints removed as new ones land
+                wait = PROGRESS_S if stop_at is None else max(0.0, min(PROGRESS_S, stop_at - time.monotonic()))
                 try:
-                    rc = proc.wait(timeout=PROGRESS_S)
+                    rc = proc.wait(timeout=wait)
                     break
                 except subprocess.TimeoutExpired:
                     pass
+                if stop_at is not None and time.monotonic() >= stop_at:
+                    stop_at = None
+                    print(f"{a.run}: {a.minutes} min: stopping after this iteration (a save, then exit; "
+                          f"{len(stop_workers(proc.pid))} ranks told)", flush=True)
                 prune_checkpoints(ckpt, a.keep_checkpoints)
                 text = open(log_path).read()
                 line = progress_line(a.run, text, iterations(a.tokens))

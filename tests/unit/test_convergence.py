@@ -182,7 +182,9 @@ def test_runs_use_the_same_seed_data_and_schedule(conv, tmp_path):
     assert base[base.index("--train-iters") + 1] == str(20_000_000 // (2048 * 32))
     assert fp8[fp8.index("--exit-interval") + 1] == str(10_000_000 // (2048 * 32))
     timed = conv.train_command(str(tmp_path), "bf16", 20_000_000, 1, TINY_TOKENIZER, 1000, 100, minutes=8)
-    assert timed[timed.index("--exit-duration-in-mins") + 1] == "8" and "--exit-duration-in-mins" not in base
+    # --minutes: stopped by SIGTERM between iterations (`stop_workers`), Megatron's time limit a minute later only
+    assert "--exit-signal-handler" in timed and "--exit-signal-handler" not in base
+    assert timed[timed.index("--exit-duration-in-mins") + 1] == "9" and "--exit-duration-in-mins" not in base
     cfg = json.load(open(tmp_path / "runs" / "bf16.config.json"))
     assert cfg["hidden_size"] == 1024 and cfg["tie_word_embeddings"] is True
     # the noise-floor run differs from bf16 by its seed alone (Megatron's argparse takes the last --seed)
@@ -275,3 +277,53 @@ def test_a_run_brings_back_what_it_measured_while_it_goes(conv, tmp_path, monkey
     assert conv.main(["train", str(out), "--run", "bf16", "--minutes", "1", "--like", "none"]) == 0
     assert [r["iteration"] for r in seen[0]["train"]] == [1, 2] and seen[0]["held_out"][0]["loss"] == 9.5
     assert (ret / "runs" / "bf16.log").read_text() == LOG and (ret / "runs" / "bf16.config.json").exists()
+
+
+def test_minutes_stop_the_ranks_by_signal_between_iterations(conv, tmp_path, monkeypatch):
+    """`--minutes` stops a run by SIGTERM to torchrun's ranks once the minutes have passed (Megatron, under
+    --exit-signal-handler, saves and exits after the iteration and its evaluation), not by Megatron's
+    --exit-duration-in-mins, which also stops inside an evaluation: the evaluation's batches then count as read
+    and the continued run reads every later evaluation's held-out batches early (2026-12-04: fp8-delayed after
+    its stop at iteration 480, unpaired with the other runs)."""
+    import subprocess
+    import sys
+    import types
+
+    out = tmp_path / "conv"
+    (out / "runs").mkdir(parents=True)
+    (out / "corpus.json").write_text(json.dumps({"tokenizer": TINY_TOKENIZER}))
+    monkeypatch.delenv("OUT", raising=False)
+    monkeypatch.setattr(conv, "PROGRESS_S", 0.01)
+    monkeypatch.setattr(conv, "MINUTE_S", 0.05)
+    monkeypatch.setitem(sys.modules, "train_bench", types.SimpleNamespace(run_env=lambda: {}))
+    told = []
+
+    class Proc:  # Megatron's process: runs until its ranks are told, then exits 0 (saved)
+        pid = 4242
+
+        def __init__(self, cmd, stdout, **kwargs):
+            self.cmd = cmd
+
+        def wait(self, timeout=None):
+            if told:
+                return 0
+            assert timeout is not None and timeout <= conv.PROGRESS_S
+            raise subprocess.TimeoutExpired("megatron", timeout)
+
+    monkeypatch.setattr(conv.subprocess, "Popen", Proc)
+    monkeypatch.setattr(conv, "stop_workers", lambda pid: told.append(pid) or [pid + 1])
+    assert conv.main(["train", str(out), "--run", "bf16", "--minutes", "2", "--like", "none"]) == 0
+    assert told == [4242]
+
+
+def test_stop_workers_signals_the_children_only(conv):
+    """`stop_workers(pid)` sends SIGTERM to the processes whose parent is pid (a real process tree here)."""
+    import subprocess
+    import sys
+
+    parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; p = subprocess.Popen(['sleep', '60']); "
+                               "print(p.pid, flush=True); sys.exit(-p.wait())"], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    assert conv.stop_workers(parent.pid) == [child]
+    assert parent.wait(timeout=30) == 15  # the child ended by SIGTERM; the parent was not signalled
+
