@@ -79,6 +79,55 @@ def test_resume_matches_uninterrupted(corpus, tmp_path, tp1_full, tp):
     assert sum(full[-4:]) / 4 < sum(full[:4]) / 4 - 0.3, full
 
 
+def _run_recording_held_out(rank: int, argv: list[str], stop_at: int | None) -> list[list[int]]:
+    """One training run in this process; returns the first tokens of every held-out batch it evaluated (evaluation
+    runs without gradients). With `stop_at` n, SIGTERM reaches the process as it reads its n-th held-out batch, as
+    `benchmarks/convergence.py train --minutes` sends it to a rank."""
+    import os
+    import signal
+
+    _cpu.install_training()
+    from megatron_patch.pretrain import main
+    from megatron_patch.training import gpt
+
+    held_out, get_batch = [], gpt.get_batch
+
+    def record_batch(it):
+        batch = get_batch(it)
+        if not torch.is_grad_enabled():
+            held_out.append(batch["tokens"][0, :8].tolist())
+            if len(held_out) == stop_at:
+                os.kill(os.getpid(), signal.SIGTERM)
+        return batch
+
+    gpt.get_batch = record_batch
+    with contextlib.redirect_stdout(io.StringIO()):
+        try:
+            assert main(argv) == 0
+        except SystemExit as e:  # a stop ends the run with sys.exit(0)
+            if e.code not in (0, None):
+                raise
+    return held_out
+
+
+def test_a_stop_by_signal_keeps_the_held_out_batches_of_a_continued_run_paired(corpus, tmp_path):
+    """`convergence.py train --minutes` stops a run by SIGTERM under Megatron's --exit-signal-handler: Megatron
+    finishes the iteration and its evaluation, saves and exits, and the continued run evaluates on the same
+    held-out batches at the same iterations as an uninterrupted run (here the signal arrives in the middle of the
+    second evaluation, at iteration 8). Megatron's --exit-duration-in-mins, which that replaced, also stops inside
+    an evaluation, counting its batches as read: the continuation then read every later evaluation's batches early
+    (2026-12-04, the fp8-delayed run after iteration 480)."""
+    held = ["--split", "80,20,0", "--eval-iters", "2", "--eval-interval", "4", "--train-iters", "12",
+            "--save-interval", "100", "--exit-signal-handler"]
+    full = _cpu.run_world(1, _run_recording_held_out, _argv(corpus, str(tmp_path / "full"), *held), None)[0]
+    ckpt = str(tmp_path / "ckpt")
+    first = _cpu.run_world(1, _run_recording_held_out, _argv(corpus, ckpt, *held), 6)[0]
+    rest = _cpu.run_world(1, _run_recording_held_out, _argv(corpus, ckpt, *held, "--load", ckpt), None)[0]
+    # an evaluation reads 2 iterations of 2 micro-batches: at iterations 4, 8 and 12, and Megatron's final one
+    assert len(full) == 16 and len(first) == 8 and len(rest) == 8  # stopped at 8, continued from its save
+    assert first + rest == full and full[4] != full[8]  # (consecutive evaluations read different batches)
+
+
 @pytest.fixture(scope="module")
 def hf_start(tmp_path_factory):
     from tests.models import hf_model, llama_config, save_hf
