@@ -347,21 +347,28 @@ def test_mla_on_the_dynamic_engine_equals_hf(tmp_path, monkeypatch):
                    "on the H200 (2026-12-04); dynamic.MLA_GRAPHS stays off until this passes")
 def test_mla_cuda_graphs_equal_eager(tmp_path, monkeypatch):
     """The dense DeepSeek-V3 above with CUDA graphs of decode-only steps (`dynamic.MLA_GRAPHS` on for the test)
-    generates the same tokens as without them. Recorded for the diagnosis: the graphs' rows against HF, and
-    whether graphs with the torch decode instead of the Triton kernel equal eager."""
+    generates the same tokens as without them. Recorded for the diagnosis, each against eager: graphs with the torch
+    decode instead of the Triton kernel, without asynchronous scheduling, without the RoPE kernel; and the graphs'
+    and eager rows against HF."""
     from megatron_patch.inference import decode_attention, dynamic
 
     model, hf, prompts, _ = _dense_mla(tmp_path, monkeypatch)
     monkeypatch.setattr(dynamic, "MLA_GRAPHS", True)
     _, eager = _generate_timed(model, prompts, engine="dynamic", cuda_graphs=False)
     _, graphs = _generate_timed(model, prompts, engine="dynamic", cuda_graphs=True)
-    dynamic.release_engine()
-    with monkeypatch.context() as m:
-        m.setattr(decode_attention, "mla_supports", lambda *args: False)
-        _, torch_graphs = _generate_timed(model, prompts, engine="dynamic", cuda_graphs=True)
+    variants = {"torch_decode": (decode_attention, "mla_supports", lambda *args: False),
+                "sync_scheduling": (dynamic, "ASYNC_SCHEDULING", False),
+                "no_rope_kernel": (dynamic, "DECODE_ROPE", False)}
+    equal = {}
+    for name, (owner, attr, value) in variants.items():
+        dynamic.release_engine()
+        with monkeypatch.context() as m:
+            m.setattr(owner, attr, value)
+            equal[f"graphs_{name}_equal_eager"] = _generate_timed(model, prompts, engine="dynamic",
+                                                                  cuda_graphs=True)[1] == eager
     dynamic.release_engine()
     _record(test="mla_cuda_graphs", prompts=greedy_rows(hf, prompts, graphs, "cuda"),
-            graphs_equal_eager=graphs == eager, torch_decode_graphs_equal_eager=torch_graphs == eager)
+            eager_rows=greedy_rows(hf, prompts, eager, "cuda"), graphs_equal_eager=graphs == eager, **equal)
     assert graphs == eager
 
 
