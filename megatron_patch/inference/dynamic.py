@@ -126,6 +126,22 @@ def latent_attention(model) -> bool:
     return any(isinstance(m, MultiLatentAttention) for m in model.modules())
 
 
+def graphs_refused(model, latent: bool) -> str | None:
+    """Why the dynamic engine captures no CUDA graphs of `model` (None: it may): MoE layers, whose token
+    dispatcher reads each expert's token count on the host, and multi-latent attention (`latent`) while
+    `MLA_GRAPHS` is off."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    if any(isinstance(m, MoELayer) for m in model.modules()):
+        return (f"CUDA graphs of MoE layers: megatron-core's {model.config.moe_token_dispatcher_type} token "
+                "dispatcher reads each expert's token count on the host, which a graph cannot capture; "
+                "generate without CUDA graphs")
+    if latent and not MLA_GRAPHS:
+        return ("CUDA graphs of multi-latent attention: their tokens differed from eager decoding on the H200 "
+                "(dynamic.MLA_GRAPHS); generate without CUDA graphs")
+    return None
+
+
 def kv_bytes_per_token(model, latent: bool | None = None) -> int:
     """Bytes of K and V one token occupies in this rank's cache (its layers, its share of KV heads); with
     multi-latent attention (`latent`, default: `latent_attention(model)`), of its latent and rotated key part (one
@@ -183,24 +199,16 @@ def plan_engine(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, ma
         raise ValueError(f"{given} holds {holds} tokens; the longest request needs {longest + max_new_tokens} "
                          f"({longest} prompt + {max_new_tokens} new tokens), in blocks of {page} tokens "
                          f"{blocks_per_request * block / 1024 ** 3:.3g} GiB: raise --kv-cache-gb")
-    from megatron.core.transformer.moe.moe_layer import MoELayer
-
-    moe = any(isinstance(m, MoELayer) for m in model.modules())
+    refused = graphs_refused(model, latent)
     if cuda_graphs is None:
         from megatron.core import parallel_state as ps
 
         cuda_graphs = (torch.cuda.is_available() and model.config.pipeline_model_parallel_size == 1
-                       and ps.get_expert_model_parallel_world_size() == 1 and not moe
-                       and (MLA_GRAPHS or not latent))
+                       and ps.get_expert_model_parallel_world_size() == 1 and refused is None)
     if cuda_graphs and not torch.cuda.is_available():
         raise ValueError("CUDA graphs need a GPU")
-    if cuda_graphs and moe:
-        raise ValueError(f"CUDA graphs of MoE layers: megatron-core's {model.config.moe_token_dispatcher_type} token "
-                         "dispatcher reads each expert's token count on the host, which a graph cannot capture; "
-                         "generate without CUDA graphs")
-    if cuda_graphs and latent and not MLA_GRAPHS:
-        raise ValueError("CUDA graphs of multi-latent attention: their tokens differed from eager decoding on the "
-                         "H200 (dynamic.MLA_GRAPHS); generate without CUDA graphs")
+    if cuda_graphs and refused is not None:
+        raise ValueError(refused)
     from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
 
     from megatron_patch.models.modules.alibi import has_alibi
