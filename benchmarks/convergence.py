@@ -324,9 +324,21 @@ def spikes(values: list[float], window: int = 20, factor: float = 1.3) -> list[i
     return found
 
 
+# A run from another seed (its flags set --seed: Megatron shuffles the training and the held-out samples with it)
+# reads other held-out batches at each evaluation than the BF16 run: it is compared by the mean of this many last
+# evaluations of both (each evaluation's batches alone move BF16's loss by ~1%).
+UNPAIRED_EVALUATIONS = 5
+
+
+def paired(name: str) -> bool:
+    """Whether run `name` reads the same held-out batches at each evaluation as the BF16 run (the same seed)."""
+    return "--seed" not in RUNS.get(name, ("", []))[1]
+
+
 def summary(runs: dict[str, dict]) -> list[dict]:
     """One row per run: final held-out loss, its difference in percent to the BF16 run of the same model at the
-    same iteration (paired: the same held-out batches; a run stopped early is compared where it stopped),
+    same iteration (paired: the same held-out batches; a run stopped early is compared where it stopped; a run
+    from another seed, unpaired, by the mean of both runs' last `UNPAIRED_EVALUATIONS` evaluations),
     training-loss spikes (iterations), median tokens/s and TFLOP/s per GPU."""
     rows = []
     for name, r in sorted(runs.items()):
@@ -337,20 +349,34 @@ def summary(runs: dict[str, dict]) -> list[dict]:
                 and r["corpus_sha256"] != base["corpus_sha256"]:
             raise ValueError(f"{name} trained on corpus {r['corpus_sha256']}, {base_name} on "
                              f"{base['corpus_sha256']}: their losses are not comparable")
-        base_held = (None if base is None or not r["held_out"] else
-                     {h["iteration"]: h["loss"] for h in base["held_out"]}.get(r["held_out"][-1]["iteration"]))
+        same = paired(name)
+        last = r["held_out"][-1 if same else -UNPAIRED_EVALUATIONS:]
+        base_losses = {} if base is None else {h["iteration"]: h["loss"] for h in base["held_out"]}
+        if base is None or not last or any(h["iteration"] not in base_losses for h in last):
+            base_held = None
+        else:  # (one evaluation where paired)
+            held_mean = sum(h["loss"] for h in last) / len(last)
+            base_held = sum(base_losses[h["iteration"]] for h in last) / len(last)
         losses = [row["loss"] for row in r["train"]]
         ms = sorted(row["ms"] for row in r["train"][len(r["train"]) // 2:] if "ms" in row)
         tflops = sorted(row["tflops"] for row in r["train"][len(r["train"]) // 2:] if "tflops" in row)
         rows.append({
             "run": name, "tokens": r["train"][-1]["tokens"] if r["train"] else 0, "final_held_out": held,
             "vs_bf16_pct": (None if held is None or base_held is None or base is r
-                            else round(100 * (held - base_held) / base_held, 3)),
+                            else round(100 * (held_mean - base_held) / base_held, 3)),
+            "paired": same,
             "spikes": [r["train"][i]["iteration"] for i in spikes(losses)],
             "tokens_per_s": round(SEQ * GBS / (ms[len(ms) // 2] / 1000)) if ms else None,
             "tflops_per_gpu": tflops[len(tflops) // 2] if tflops else None,
         })
     return rows
+
+
+def vs_bf16_cell(row: dict) -> str:
+    """The table's "vs BF16" cell of a `summary` row."""
+    if row["vs_bf16_pct"] is None:
+        return ""
+    return f"{row['vs_bf16_pct']:+.2f}%" + ("" if row["paired"] else f" (unpaired, last {UNPAIRED_EVALUATIONS})")
 
 
 def plot(runs: dict[str, dict], figures: str) -> list[str]:
@@ -392,7 +418,7 @@ def plot(runs: dict[str, dict], figures: str) -> list[str]:
         if pts:
             ax.plot(*zip(*pts), label=f"{name} - {base_name}")
     ax.axhline(0, color="black", linewidth=0.8)
-    ax.set(xlabel="tokens (millions)", ylabel="loss difference", title="FP8 - BF16 (training loss, 20-it. mean)")
+    ax.set(xlabel="tokens (millions)", ylabel="loss difference", title="each run - BF16 (training loss, 20-it. mean)")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     save(fig, "fp8_minus_bf16.png")
@@ -503,7 +529,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| run | tokens | final held-out loss | vs BF16 | spikes | tokens/s | TFLOP/s/GPU |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        pct = "" if r["vs_bf16_pct"] is None else f"{r['vs_bf16_pct']:+.2f}%"
+        pct = vs_bf16_cell(r)
         held = "" if r["final_held_out"] is None else f"{r['final_held_out']:.4f}"
         print(f"| {r['run']} | {r['tokens'] / 1e6:.1f}M | {held} | {pct} | {len(r['spikes'])} | "
               f"{r['tokens_per_s'] or ''} | {r['tflops_per_gpu'] or ''} |")

@@ -229,6 +229,24 @@ def test_one_parser_reads_every_field_and_the_memory_reports():
     assert log.held_out == {2: 9.5} and log.max_allocated_mb == [2048.25]
 
 
+def test_a_run_from_another_seed_is_compared_unpaired_over_its_last_evaluations(conv):
+    """`bf16-seed2` (another --seed: Megatron shuffles the training and the held-out samples with it) reads other
+    held-out batches at each evaluation, so one evaluation against BF16's same iteration is no paired figure
+    (on 2026-12-04 its last one read -6.11%, the mean of its last five -3.97%): its row is marked unpaired and
+    compares the mean of the last `UNPAIRED_EVALUATIONS` evaluations of both runs."""
+    bf16, seed2 = _run("bf16", "400m", [5.0] * 60, 4.0), _run("bf16-seed2", "400m", [5.0] * 60, 3.0)
+    for i, (a, b) in enumerate([(4.2, 4.4), (4.4, 4.0), (4.0, 4.4), (4.4, 4.0)]):
+        bf16["held_out"].insert(i, {"iteration": 10 * (i + 1), "tokens": 0, "loss": a})
+        seed2["held_out"].insert(i, {"iteration": 10 * (i + 1), "tokens": 0, "loss": b})
+    rows = {r["run"]: r for r in conv.summary({"bf16": bf16, "bf16-seed2": seed2})}
+    assert rows["bf16-seed2"]["paired"] is False and rows["bf16"]["paired"] is True
+    assert conv.UNPAIRED_EVALUATIONS == 5
+    mean_a, mean_b = (4.2 + 4.4 + 4.0 + 4.4 + 4.0) / 5, (4.4 + 4.0 + 4.4 + 4.0 + 3.0) / 5
+    assert rows["bf16-seed2"]["vs_bf16_pct"] == pytest.approx(100 * (mean_b - mean_a) / mean_a, abs=1e-3)
+    assert conv.vs_bf16_cell(rows["bf16-seed2"]).endswith("(unpaired, last 5)")
+    assert conv.vs_bf16_cell(rows["bf16"]) == ""
+
+
 def test_committed_runs_rebuild_the_documented_table(conv, tmp_path):
     """docs/convergence.md quotes what `plot` computes from the JSON committed beside it."""
     folder = os.path.join(ROOT, "docs", "convergence")
