@@ -72,7 +72,8 @@ SAMPLING_NO_SYNC: bool = True
 MLA_ON_GPU: bool = False
 # CUDA graphs of multi-latent attention's decode steps. Off: on the H200 (2026-12-04) a dense DeepSeek-V3 with
 # graphs generated other tokens than without them from the first decode step on (3 of 4 prompts; HF margins up
-# to 0.31, not near-ties), cause not yet found; the GPU test `test_mla_cuda_graphs_equal_eager` keeps the case.
+# to 0.31, not near-ties), cause not yet found: the same with the torch decode instead of our Triton kernel, without
+# async scheduling and without the RoPE kernel (the GPU test `test_mla_cuda_graphs_equal_eager`, which keeps the case).
 MLA_GRAPHS: bool = False
 
 
@@ -126,13 +127,18 @@ def latent_attention(model) -> bool:
     return any(isinstance(m, MultiLatentAttention) for m in model.modules())
 
 
-def graphs_refused(model, latent: bool) -> str | None:
-    """Why the dynamic engine captures no CUDA graphs of `model` (None: it may): MoE layers, whose token
-    dispatcher reads each expert's token count on the host, and multi-latent attention (`latent`) while
-    `MLA_GRAPHS` is off."""
+def moe_layers(model) -> list:
+    """`model`'s MoE layers (megatron-core's `MoELayer`)."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    if any(isinstance(m, MoELayer) for m in model.modules()):
+    return [m for m in model.modules() if isinstance(m, MoELayer)]
+
+
+def graphs_refused(model, latent: bool) -> str | None:
+    """Why the dynamic engine captures no CUDA graphs of `model` (None: it may): MoE layers on a dispatcher
+    `moe_graph_dispatch` cannot make capturable (the flex one), and multi-latent attention (`latent`) while
+    `MLA_GRAPHS` is off."""
+    if any(m.config.moe_token_dispatcher_type not in ("allgather", "alltoall") for m in moe_layers(model)):
         return (f"CUDA graphs of MoE layers: megatron-core's {model.config.moe_token_dispatcher_type} token "
                 "dispatcher reads each expert's token count on the host, which a graph cannot capture; "
                 "generate without CUDA graphs")
@@ -163,10 +169,9 @@ def plan_engine(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, ma
     number of requests and rounded up to a multiple of TP (megatron-core splits requests over TP ranks
     in its CUDA-graph bookkeeping). `kv_cache_gb` None: the automatic budget (`KV_SHARE_OF_FREE_MEMORY`);
     a budget that cannot hold the longest request is refused. `cuda_graphs` None: on a GPU, at PP = EP = 1, for
-    dense models without multi-latent attention (graphs at PP > 1 are untested here; MoE layers are refused:
-    megatron-core's dispatchers read the tokens per expert on the host unless padded to capacity,
-    `moe_pad_experts_for_cuda_graph_inference`, which needs the all-to-all dispatcher, and our MoE models use the
-    all-gather one; multi-latent attention is refused while `MLA_GRAPHS` is off)."""
+    models without multi-latent attention (graphs at PP > 1 are untested here; MoE layers are captured on the
+    all-to-all dispatcher padded to capacity, `moe_graph_dispatch`, decode steps only; multi-latent attention is
+    refused while `MLA_GRAPHS` is off)."""
     import torch
 
     from megatron_patch import patches
@@ -217,8 +222,10 @@ def plan_engine(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, ma
     return EnginePlan(max_requests=n, bounded=n < len(prompts), max_sequence_length=longest + max_new_tokens,
                       max_tokens=max(DynamicInferenceContext.DEFAULT_MAX_TOKENS, longest, n),
                       kv_cache_gb=budget / 1024 ** 3, cuda_graphs=cuda_graphs,
-                      # (attention in torch reads the prompts' lengths on the host: decode-only graphs only)
-                      non_decode_graphs=not (patches.attends_in_torch(model.config.params_dtype) or alibi or latent),
+                      # (attention in torch reads the prompts' lengths on the host; MoE layers padded to capacity
+                      # would give every expert a row for each token of a prefill: decode-only graphs only)
+                      non_decode_graphs=not (patches.attends_in_torch(model.config.params_dtype) or alibi or latent
+                                             or bool(moe_layers(model))),
                       async_scheduling=async_scheduling(), decode_gemv=wanted(DECODE_GEMV),
                       decode_attention=wanted(DECODE_ATTENTION), decode_rope=wanted(DECODE_ROPE), alibi=alibi,
                       latent=latent)
@@ -276,9 +283,61 @@ def generate_dynamic(model, tokenizer, prompts: list[list[int]], sampling: Sampl
               patches.applied("sampling_without_stream_sync") if SAMPLING_NO_SYNC else contextlib.nullcontext(),
               # last: ALiBi layers attend with their bias before any other paged attention sees them
               patches.applied("alibi_paged_attention") if plan.alibi else contextlib.nullcontext(),
-              _latent_cache(model) if plan.latent else contextlib.nullcontext()):
+              _latent_cache(model) if plan.latent else contextlib.nullcontext(),
+              moe_graph_dispatch(model) if plan.cuda_graphs and moe_layers(model) else contextlib.nullcontext()):
             engine = _Engines.get(model, tokenizer, plan)
             return _run(engine, tokenizer, prompts, sampling, on_tokens)
+
+
+@contextlib.contextmanager
+def moe_graph_dispatch(model) -> Iterator[None]:
+    """MoE layers as CUDA graphs can capture them, for the engine's calls: megatron-core's token dispatchers read
+    each expert's token count on the host (`.cpu()`, `.item()`), except its all-to-all dispatcher in drop-and-pad
+    mode, where every expert takes a fixed capacity of rows. The engine's controller turns that mode on for graph
+    steps (and off for eager ones) when the config's `moe_pad_experts_for_cuda_graph_inference` is set, with a
+    capacity of every token (`num_moe_experts / moe_router_topk`: no token dropped; the padded rows weigh 0). Here
+    each MoE layer's all-gather dispatcher (ours; both compute the same, only the all-to-all one has the padded
+    mode) is swapped for an all-to-all one (built once per layer, kept for later calls) and the switch set;
+    afterwards the dispatchers,
+    the switch and the capacity settings the controller changes are put back, as is megatron-core's
+    process-wide list of MoE layers (`inference.utils.moe_layer_cache`, filled from the first model it sees)."""
+    from megatron.core.inference import utils as inference_utils
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    layers = moe_layers(model)
+    fields = ("moe_pad_experts_for_cuda_graph_inference", "moe_expert_capacity_factor",
+              "moe_pad_expert_input_to_capacity")
+    configs = {id(c): c for c in [model.config, *(m.config for m in layers),
+                                  *(m.token_dispatcher.config for m in layers)]}.values()
+    saved = [(c, {f: getattr(c, f) for f in fields}) for c in configs]
+    dispatchers = [m.token_dispatcher for m in layers]
+    inference_utils.moe_layer_cache = None
+    try:
+        for m in layers:
+            if not isinstance(m.token_dispatcher, MoEAlltoAllTokenDispatcher):
+                if "_graph_dispatcher" not in m.__dict__:
+                    m.__dict__["_graph_dispatcher"] = MoEAlltoAllTokenDispatcher(
+                        m.num_local_experts, m.local_expert_indices, config=m.config,
+                        pg_collection=_moe_groups(m.token_dispatcher))
+                m.token_dispatcher = m.__dict__["_graph_dispatcher"]
+        for c, _ in saved:
+            c.moe_pad_experts_for_cuda_graph_inference = True
+        yield
+    finally:
+        for m, d in zip(layers, dispatchers):
+            m.token_dispatcher = d
+        for c, values in saved:
+            for f, v in values.items():
+                setattr(c, f, v)
+        inference_utils.moe_layer_cache = None
+
+
+def _moe_groups(dispatcher):
+    """The process groups a token dispatcher was built with, as megatron-core's dispatchers take them (0.18.2 and
+    0.19 keep the three they use on the dispatcher)."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    return ProcessGroupCollection(ep=dispatcher.ep_group, expt_tp=dispatcher.tp_group, tp_ep=dispatcher.tp_ep_group)
 
 
 @contextlib.contextmanager

@@ -640,12 +640,13 @@ def test_multi_latent_attention_stays_on_the_static_engine_on_a_gpu(cpu_megatron
 
 
 @pytest.mark.parametrize("variant", ["mixtral", "deepseek_v3"])
-def test_moe_and_latent_attention_run_the_dynamic_engine_without_cuda_graphs(variant, cpu_megatron, monkeypatch):
+def test_moe_and_latent_attention_plan_their_cuda_graphs(variant, cpu_megatron, monkeypatch):
     """megatron-core's MoE token dispatchers read each expert's token count on the host (`.cpu()`, `.item()`),
     which a CUDA graph cannot capture (on the H200, 2026-12-04: `Cannot copy between CPU and CUDA tensors during
-    CUDA graph capture`, all-gather dispatcher); only its drop-and-pad route avoids that, which the all-gather
-    dispatcher lacks. So on a GPU the dynamic engine runs MoE models eagerly by default, and asking for graphs
-    is refused with the reason; a dense model keeps its graphs. Multi-latent attention likewise, for now."""
+    CUDA graph capture`, all-gather dispatcher): the engine captures MoE layers on the all-to-all dispatcher padded
+    to capacity (`moe_graph_dispatch`, tested above), so MoE models get graphs on a GPU as dense ones do; the flex
+    dispatcher, which has no such mode here, is refused with the reason. Multi-latent attention's graphs stay off
+    and are refused (`dynamic.MLA_GRAPHS`) until they decode as eagerly."""
     from megatron_patch.inference import dynamic
     from megatron_patch.models import build_model
     from tests.models import case
@@ -654,9 +655,14 @@ def test_moe_and_latent_attention_run_the_dynamic_engine_without_cuda_graphs(var
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert model.config.num_moe_experts
     plan = dynamic.plan_engine(model, [[5, 6, 7]], 4, kv_cache_gb=0.01)
-    assert not plan.cuda_graphs
-    with pytest.raises(ValueError, match="CUDA graphs of MoE layers"):
-        dynamic.plan_engine(model, [[5, 6, 7]], 4, kv_cache_gb=0.01, cuda_graphs=True)
+    assert plan.cuda_graphs == (variant == "mixtral")  # (DeepSeek-V3: multi-latent attention)
+    assert not plan.non_decode_graphs  # (a prefill padded to capacity: a row per expert for each of its tokens)
+    if variant == "mixtral":
+        for m in dynamic.moe_layers(model):
+            monkeypatch.setattr(m.config, "moe_token_dispatcher_type", "flex")
+        assert not dynamic.plan_engine(model, [[5, 6, 7]], 4, kv_cache_gb=0.01).cuda_graphs
+        with pytest.raises(ValueError, match="CUDA graphs of MoE layers"):
+            dynamic.plan_engine(model, [[5, 6, 7]], 4, kv_cache_gb=0.01, cuda_graphs=True)
     _, dense = _converted("gqa")
     assert dynamic.plan_engine(dense, [[5, 6, 7]], 4, kv_cache_gb=0.01).cuda_graphs
     # DeepSeek with no MoE layer (all dense: first_k_dense_replace = layers): multi-latent attention's graphs
@@ -668,6 +674,55 @@ def test_moe_and_latent_attention_run_the_dynamic_engine_without_cuda_graphs(var
         dynamic.plan_engine(dense, [[5, 6, 7]], 4, kv_cache_gb=0.01, cuda_graphs=True)
     monkeypatch.setattr(dynamic, "MLA_GRAPHS", True)
     assert dynamic.plan_engine(dense, [[5, 6, 7]], 4, kv_cache_gb=0.01).cuda_graphs
+
+
+@pytest.mark.parametrize("variant", ["mixtral", "qwen2_moe", "deepseek_v3"])
+def test_moe_decode_graphs_pad_each_expert_to_capacity_on_the_all_to_all_dispatcher(variant, cpu_megatron,
+                                                                                     monkeypatch):
+    """MoE decode under CUDA graphs, megatron-core's way: its all-to-all dispatcher with drop-and-pad
+    (`moe_pad_experts_for_cuda_graph_inference`: the controller pads each expert to capacity in graph steps, with a
+    capacity of every token, `num_moe_experts / moe_router_topk`, so no token is dropped and the counts per expert
+    are constants the host knows). `dynamic.moe_graph_dispatch` swaps the model's all-gather dispatchers for
+    all-to-all ones and sets the switch for the engine's calls, then puts both back. Asserted on CPU in fp32: an MoE
+    layer gives the same output padded as with the all-gather dispatcher (every token's experts weighted alike; the
+    padded rows weigh 0), the same unpadded, and greedy generation inside the swap equals HF's."""
+    from megatron.core.inference import utils as inference_utils
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    from megatron_patch.inference import Sampling, dynamic, generate
+    from megatron_patch.tokenizer import build_tokenizer
+
+    c, model = _converted(variant)
+    cfg = model.config
+    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+    before = [m.token_dispatcher for m in layers]
+    saved = (cfg.moe_pad_experts_for_cuda_graph_inference, cfg.moe_expert_capacity_factor,
+             cfg.moe_pad_expert_input_to_capacity, cfg.moe_token_dispatcher_type)
+    assert layers and cfg.moe_token_dispatcher_type == "allgather"
+    torch.manual_seed(0)
+    x = torch.randn(7, 1, cfg.hidden_size)
+    with torch.no_grad():
+        want = layers[0](x)[0]
+        with dynamic.moe_graph_dispatch(model):
+            assert all(isinstance(m.token_dispatcher, MoEAlltoAllTokenDispatcher) for m in layers)
+            assert cfg.moe_pad_experts_for_cuda_graph_inference and inference_utils.moe_layer_cache is None
+            capacity = cfg.num_moe_experts / cfg.moe_router_topk
+            inference_utils.set_decode_expert_padding(model, True, capacity_factor=capacity)  # as in a graph step
+            padded = layers[0](x)[0]
+            d = layers[0].token_dispatcher
+            assert d.drop_and_pad and d.capacity == x.shape[0]  # every expert takes every token's row
+            inference_utils.set_decode_expert_padding(model, False)  # as in an eager (prefill) step
+            unpadded = layers[0](x)[0]
+            out = generate(model, build_tokenizer(TINY_TOKENIZER), [[5, 6, 7], [9, 10, 11, 12]],
+                           Sampling(6, top_k=1), engine="dynamic")
+        torch.testing.assert_close(padded, want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(unpadded, want, rtol=1e-5, atol=1e-6)
+    assert out == [_hf_greedy(c, p, 6) for p in ([5, 6, 7], [9, 10, 11, 12])]
+    assert [m.token_dispatcher for m in layers] == before and inference_utils.moe_layer_cache is None
+    assert (cfg.moe_pad_experts_for_cuda_graph_inference, cfg.moe_expert_capacity_factor,
+            cfg.moe_pad_expert_input_to_capacity, cfg.moe_token_dispatcher_type) == saved
+    dynamic.release_engine()
 
 
 # (Bloom's tiny random model greedily picks the same tokens without the bias: the check that the bias matters runs

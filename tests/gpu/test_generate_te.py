@@ -374,15 +374,16 @@ def test_mla_cuda_graphs_equal_eager(tmp_path, monkeypatch):
 
 @pytest.mark.smoke
 @pytest.mark.parametrize("variant", ["mixtral", "deepseek_v3"])
-def test_moe_on_the_dynamic_engine_runs_without_graphs_and_equals_hf(tmp_path, monkeypatch, variant):
-    """MoE models on the dynamic engine on the GPU: megatron-core's all-gather token dispatcher reads the tokens per
+def test_moe_on_the_dynamic_engine_equals_hf(tmp_path, monkeypatch, variant):
+    """MoE models on the dynamic engine on the GPU. megatron-core's all-gather token dispatcher reads the tokens per
     expert on the host, which broke CUDA graph capture (2026-12-04, `Cannot copy between CPU and CUDA tensors during
-    CUDA graph capture`); `plan_engine` now leaves the graphs off for MoE layers and refuses them when asked. A small
-    Mixtral and a DeepSeek-V3 with MoE layers (multi-latent attention switched on, `dynamic.MLA_ON_GPU`; TE, bf16,
-    random weights) generate HF bf16's greedy tokens on the dynamic engine (near-ties allowed, as above)."""
-    from megatron_patch.inference import Sampling, dynamic, generate, load_model
+    CUDA graph capture`); the engine now captures MoE layers on the all-to-all dispatcher padded to capacity
+    (`dynamic.moe_graph_dispatch`). A small Mixtral (graphs on, the default: its tokens also compared with eager
+    decoding's and timed against them) and a DeepSeek-V3 with MoE layers (multi-latent attention switched on,
+    `dynamic.MLA_ON_GPU`, whose graphs stay off: `dynamic.MLA_GRAPHS`; TE, bf16, random weights) generate HF bf16's
+    greedy tokens on the dynamic engine (near-ties allowed, as above)."""
+    from megatron_patch.inference import dynamic, load_model
     from megatron_patch.runtime.parallel import ensure_model_parallel
-    from megatron_patch.tokenizer import TINY_TOKENIZER, build_tokenizer
     from tests.models import Case, any_config, checkpoint_state_dict, hf_model, save_case
 
     ensure_model_parallel(1, 1)
@@ -398,13 +399,16 @@ def test_moe_on_the_dynamic_engine_runs_without_graphs_and_equals_hf(tmp_path, m
     hf_dir = save_case(c, str(tmp_path / variant))
     model, _ = load_model(None, hf_dir, impl="transformer_engine", dtype=torch.bfloat16)
     prompts = [[5, 6, 7], list(range(20, 120)), [30, 31], list(range(200, 230))]
-    assert not dynamic.plan_engine(model, prompts, STEPS).cuda_graphs
-    with pytest.raises(ValueError, match="CUDA graphs of MoE layers"):
-        dynamic.plan_engine(model, prompts, STEPS, cuda_graphs=True)
-    out = generate(model, build_tokenizer(TINY_TOKENIZER), prompts, Sampling(STEPS, top_k=1, stop_id=None),
-                   engine="dynamic")
+    graphs = dynamic.plan_engine(model, prompts, STEPS).cuda_graphs
+    assert graphs == (variant == "mixtral")
+    seconds, out = _generate_timed(model, prompts, engine="dynamic")
     rows = greedy_rows(c.ref.to("cuda", torch.bfloat16).eval(), prompts, out, "cuda")
-    _record(test="moe_dynamic_engine", variant=variant, prompts=rows)
+    extra = {}
+    if graphs:
+        eager_s, eager = _generate_timed(model, prompts, engine="dynamic", cuda_graphs=False)
+        extra = {"graphs_equal_eager": eager == out, "seconds_graphs": round(seconds, 3),
+                 "seconds_eager": round(eager_s, 3)}
+    _record(test="moe_dynamic_engine", variant=variant, cuda_graphs=graphs, prompts=rows, **extra)
     for r in rows:
         assert r["identical"] or r["hf_margin_at_diff"] < MARGIN[torch.bfloat16], r
     dynamic.release_engine()
