@@ -182,9 +182,9 @@ def parser() -> argparse.ArgumentParser:
                    "the longest length need, at most half the GPU memory the weights leave)")
     p.add_argument("--cuda-graph-impl", choices=("local", "none"), default=None,
                    help="dynamic engine: local captures megatron-core's inference CUDA graphs (block scope); "
-                   "none: eager (default: local on a GPU at --pp 1 and --ep 1 for models without multi-latent "
-                   "attention, whose graphs are refused; MoE layers decode-only, each expert padded to capacity; "
-                   "else none)")
+                   "none: eager (default: local on a GPU at --pp 1 and --ep 1 for models without MoE layers or "
+                   "multi-latent attention, else none; MoE layers when asked: decode steps, each expert padded to "
+                   "capacity; multi-latent attention's are refused)")
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
                    help="print the text to stderr as it is generated (default: on for one prompt on a terminal)")
     return p

@@ -654,6 +654,11 @@ def test_moe_and_latent_attention_plan_their_cuda_graphs(variant, cpu_megatron, 
     _, model = _converted(variant)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert model.config.num_moe_experts
+    # by default only once the GPU smoke has run them (dynamic.MOE_GRAPHS); asked for, they run
+    assert not dynamic.plan_engine(model, [[5, 6, 7]], 4, kv_cache_gb=0.01).cuda_graphs
+    if variant == "mixtral":
+        assert dynamic.plan_engine(model, [[5, 6, 7]], 4, kv_cache_gb=0.01, cuda_graphs=True).cuda_graphs
+    monkeypatch.setattr(dynamic, "MOE_GRAPHS", True)
     plan = dynamic.plan_engine(model, [[5, 6, 7]], 4, kv_cache_gb=0.01)
     assert plan.cuda_graphs == (variant == "mixtral")  # (DeepSeek-V3: multi-latent attention)
     assert not plan.non_decode_graphs  # (a prefill padded to capacity: a row per expert for each of its tokens)

@@ -378,15 +378,16 @@ def test_moe_on_the_dynamic_engine_equals_hf(tmp_path, monkeypatch, variant):
     """MoE models on the dynamic engine on the GPU. megatron-core's all-gather token dispatcher reads the tokens per
     expert on the host, which broke CUDA graph capture (2026-12-04, `Cannot copy between CPU and CUDA tensors during
     CUDA graph capture`); the engine now captures MoE layers on the all-to-all dispatcher padded to capacity
-    (`dynamic.moe_graph_dispatch`). A small Mixtral (graphs on, the default: its tokens also compared with eager
-    decoding's and timed against them) and a DeepSeek-V3 with MoE layers (multi-latent attention switched on,
-    `dynamic.MLA_ON_GPU`, whose graphs stay off: `dynamic.MLA_GRAPHS`; TE, bf16, random weights) generate HF bf16's
-    greedy tokens on the dynamic engine (near-ties allowed, as above)."""
+    (`dynamic.moe_graph_dispatch`; `dynamic.MOE_GRAPHS` on for the test). A small Mixtral (graphs on by default:
+    its tokens also compared with eager decoding's and timed against them) and a DeepSeek-V3 with MoE layers
+    (multi-latent attention switched on, `dynamic.MLA_ON_GPU`, whose graphs stay off: `dynamic.MLA_GRAPHS`; TE,
+    bf16, random weights) generate HF bf16's greedy tokens on the dynamic engine (near-ties allowed, as above)."""
     from megatron_patch.inference import dynamic, load_model
     from megatron_patch.runtime.parallel import ensure_model_parallel
     from tests.models import Case, any_config, checkpoint_state_dict, hf_model, save_case
 
     ensure_model_parallel(1, 1)
+    monkeypatch.setattr(dynamic, "MOE_GRAPHS", True)
     cfg = any_config(variant)
     if variant == "mixtral":  # heads of 64: FA4's paged prefill refuses head dims it has no tiles for (the tiny 8)
         cfg = {**cfg, "hidden_size": 512, "head_dim": 64}
