@@ -348,8 +348,10 @@ def test_mla_on_the_dynamic_engine_equals_hf(tmp_path, monkeypatch):
 def test_mla_cuda_graphs_equal_eager(tmp_path, monkeypatch):
     """The dense DeepSeek-V3 above with CUDA graphs of decode-only steps (`dynamic.MLA_GRAPHS` on for the test)
     generates the same tokens as without them. Recorded for the diagnosis, each against eager: graphs with the torch
-    decode instead of the Triton kernel, without asynchronous scheduling, without the RoPE kernel; and the graphs'
-    and eager rows against HF."""
+    decode instead of the Triton kernel, without asynchronous scheduling, without the RoPE kernel (none of the three
+    mattered on 2026-12-04); each prompt alone and the four reversed, request by request; and the graphs' and eager
+    rows against HF. (On a CPU, eager steps padded as a graph step pads them decode as unpadded ones: the cause is
+    in capture or replay, not in the padding.)"""
     from megatron_patch.inference import decode_attention, dynamic
 
     model, hf, prompts, _ = _dense_mla(tmp_path, monkeypatch)
@@ -366,6 +368,14 @@ def test_mla_cuda_graphs_equal_eager(tmp_path, monkeypatch):
             m.setattr(owner, attr, value)
             equal[f"graphs_{name}_equal_eager"] = _generate_timed(model, prompts, engine="dynamic",
                                                                   cuda_graphs=True)[1] == eager
+    # which requests part: each prompt alone, and the four in reverse order (on 2026-12-04 the first request kept
+    # its tokens and the other three parted; the four run on the graph of four, without padding)
+    dynamic.release_engine()
+    equal["graphs_each_alone_equal_eager"] = [
+        _generate_timed(model, [p], engine="dynamic", cuda_graphs=True)[1] == [e] for p, e in zip(prompts, eager)]
+    dynamic.release_engine()
+    reverse = _generate_timed(model, prompts[::-1], engine="dynamic", cuda_graphs=True)[1]
+    equal["graphs_reversed_equal_eager"] = [r == e for r, e in zip(reverse[::-1], eager)]
     dynamic.release_engine()
     _record(test="mla_cuda_graphs", prompts=greedy_rows(hf, prompts, graphs, "cuda"),
             eager_rows=greedy_rows(hf, prompts, eager, "cuda"), graphs_equal_eager=graphs == eager, **equal)
