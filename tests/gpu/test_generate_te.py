@@ -241,28 +241,39 @@ def test_decode_kernels_layers_and_greedy_tokens(trained, monkeypatch):
         assert d["first_diff"] is None or d["hf_margin_at_diff"] < MARGIN[torch.bfloat16], d
 
 
+# mixed prompt lengths for the tiny random models below: short, one longer than a 64-token page, the shortest, middle
+MIXED_PROMPTS = [[5, 6, 7], list(range(20, 120)), [30, 31], list(range(200, 230))]
+
+
+def _tiny_te_model(cfg: dict, folder: str):
+    """A tiny random HF model of `cfg` saved to `folder` and loaded as ours on Transformer Engine in bf16, at
+    TP = PP = 1: (our model, the HF model in bf16 on the GPU)."""
+    from megatron_patch.inference import load_model
+    from megatron_patch.runtime.parallel import ensure_model_parallel
+    from tests.models import Case, checkpoint_state_dict, hf_model, save_case
+
+    ensure_model_parallel(1, 1)
+    torch.manual_seed(0)
+    ref = hf_model(cfg)
+    c = Case(cfg, checkpoint_state_dict(ref), ref)
+    model, _ = load_model(None, save_case(c, folder), impl="transformer_engine", dtype=torch.bfloat16)
+    return model, c.ref.to("cuda", torch.bfloat16).eval()
+
+
 @pytest.mark.smoke
 def test_alibi_on_the_dynamic_engine_equals_hf(tmp_path):
     """ALiBi on the dynamic engine on the GPU (the `alibi_paged_attention` patch: prompts in torch, decode steps on
     the split-KV Triton kernel with the slopes, CUDA graphs of decode-only steps): a small Bloom (random weights,
     8 heads of 32, Transformer Engine, bf16) generates HF bf16's greedy tokens (near-ties allowed, as above), with
     CUDA graphs the same tokens as without, and `auto` picks the dynamic engine for it."""
-    from megatron_patch.inference import Sampling, choose_engine, generate, load_model
-    from megatron_patch.runtime.parallel import ensure_model_parallel
+    from megatron_patch.inference import Sampling, choose_engine, generate
     from megatron_patch.tokenizer import TINY_TOKENIZER, build_tokenizer
-    from tests.models import Case, any_config, checkpoint_state_dict, hf_model, save_case
-
-    ensure_model_parallel(1, 1)
+    from tests.models import any_config
 
     cfg = {**any_config("bloom"), "hidden_size": 256}  # 8 heads of 32: a head dim the split-KV kernel takes
-    torch.manual_seed(0)
-    ref = hf_model(cfg)
-    c = Case(cfg, checkpoint_state_dict(ref), ref)
-    hf_dir = save_case(c, str(tmp_path / "bloom"))
-    model, _ = load_model(None, hf_dir, impl="transformer_engine", dtype=torch.bfloat16)
+    model, hf = _tiny_te_model(cfg, str(tmp_path / "bloom"))
     assert choose_engine(model) == "dynamic"
-    hf = c.ref.to("cuda", torch.bfloat16).eval()
-    prompts = [[5, 6, 7], list(range(20, 120)), [30, 31], list(range(200, 230))]
+    prompts = MIXED_PROMPTS
     sampling, tok = Sampling(STEPS, top_k=1, stop_id=None), build_tokenizer(TINY_TOKENIZER)
     on = generate(model, tok, prompts, sampling, cuda_graphs=True, engine="dynamic")
     off = generate(model, tok, prompts, sampling, cuda_graphs=False, engine="dynamic")
@@ -278,26 +289,19 @@ def _dense_mla(tmp_path, monkeypatch):
     shapes the Triton decode kernel takes, DeepSeek's are 512 and 64; no MoE layer, which would keep the graphs off)
     on the dynamic engine (`dynamic.MLA_ON_GPU` on for the test): (model, HF bf16 reference, prompts, a list that
     counts the calls of the Triton decode kernel)."""
-    from megatron_patch.inference import choose_engine, decode_attention, dynamic, load_model
-    from megatron_patch.runtime.parallel import ensure_model_parallel
-    from tests.models import Case, any_config, checkpoint_state_dict, hf_model, save_case
+    from megatron_patch.inference import choose_engine, decode_attention, dynamic
+    from tests.models import any_config
 
-    ensure_model_parallel(1, 1)
     cfg = {**any_config("deepseek_v3"), "kv_lora_rank": 64, "qk_rope_head_dim": 16}
     cfg["first_k_dense_replace"] = cfg["num_hidden_layers"]
     kernel_calls, kernel = [], decode_attention.mla_decode_attention
     monkeypatch.setattr(decode_attention, "mla_decode_attention",
                         lambda *args, **kwargs: kernel_calls.append(1) or kernel(*args, **kwargs))
-    torch.manual_seed(0)
-    ref = hf_model(cfg)
-    c = Case(cfg, checkpoint_state_dict(ref), ref)
-    model, _ = load_model(None, save_case(c, str(tmp_path / "deepseek")), impl="transformer_engine",
-                          dtype=torch.bfloat16)
+    model, hf = _tiny_te_model(cfg, str(tmp_path / "deepseek"))
     assert choose_engine(model) == "static"  # off by default on a GPU
     monkeypatch.setattr(dynamic, "MLA_ON_GPU", True)
     assert choose_engine(model) == "dynamic"
-    prompts = [[5, 6, 7], list(range(20, 120)), [30, 31], list(range(200, 230))]
-    return model, c.ref.to("cuda", torch.bfloat16).eval(), prompts, kernel_calls
+    return model, hf, MIXED_PROMPTS, kernel_calls
 
 
 def _generate_timed(model, prompts, **kwargs) -> tuple[float, list[list[int]]]:
@@ -392,11 +396,9 @@ def test_moe_on_the_dynamic_engine_equals_hf(tmp_path, monkeypatch, variant):
     its tokens also compared with eager decoding's and timed against them) and a DeepSeek-V3 with MoE layers
     (multi-latent attention switched on, `dynamic.MLA_ON_GPU`, whose graphs stay off: `dynamic.MLA_GRAPHS`; TE,
     bf16, random weights) generate HF bf16's greedy tokens on the dynamic engine (near-ties allowed, as above)."""
-    from megatron_patch.inference import dynamic, load_model
-    from megatron_patch.runtime.parallel import ensure_model_parallel
-    from tests.models import Case, any_config, checkpoint_state_dict, hf_model, save_case
+    from megatron_patch.inference import dynamic
+    from tests.models import any_config
 
-    ensure_model_parallel(1, 1)
     monkeypatch.setattr(dynamic, "MOE_GRAPHS", True)
     cfg = any_config(variant)
     if variant == "mixtral":  # heads of 64: FA4's paged prefill refuses head dims it has no tiles for (the tiny 8)
@@ -404,16 +406,12 @@ def test_moe_on_the_dynamic_engine_equals_hf(tmp_path, monkeypatch, variant):
     if variant == "deepseek_v3":
         cfg = {**cfg, "kv_lora_rank": 64, "qk_rope_head_dim": 16}
         monkeypatch.setattr(dynamic, "MLA_ON_GPU", True)
-    torch.manual_seed(0)
-    ref = hf_model(cfg)
-    c = Case(cfg, checkpoint_state_dict(ref), ref)
-    hf_dir = save_case(c, str(tmp_path / variant))
-    model, _ = load_model(None, hf_dir, impl="transformer_engine", dtype=torch.bfloat16)
-    prompts = [[5, 6, 7], list(range(20, 120)), [30, 31], list(range(200, 230))]
+    model, hf = _tiny_te_model(cfg, str(tmp_path / variant))
+    prompts = MIXED_PROMPTS
     graphs = dynamic.plan_engine(model, prompts, STEPS).cuda_graphs
     assert graphs == (variant == "mixtral")
     seconds, out = _generate_timed(model, prompts, engine="dynamic")
-    rows = greedy_rows(c.ref.to("cuda", torch.bfloat16).eval(), prompts, out, "cuda")
+    rows = greedy_rows(hf, prompts, out, "cuda")
     extra = {}
     if graphs:
         eager_s, eager = _generate_timed(model, prompts, engine="dynamic", cuda_graphs=False)
