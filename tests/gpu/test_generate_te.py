@@ -353,10 +353,12 @@ def test_mla_cuda_graphs_equal_eager(tmp_path, monkeypatch):
     """The dense DeepSeek-V3 above with CUDA graphs of decode-only steps (`dynamic.MLA_GRAPHS` on for the test)
     generates the same tokens as without them. Recorded for the diagnosis, each against eager: graphs with the torch
     decode instead of the Triton kernel, without asynchronous scheduling, without the RoPE kernel (none of the three
-    mattered on 2026-12-04); each prompt alone and the four reversed, request by request; and the graphs' and eager
-    rows against HF. (On a CPU, eager steps padded as a graph step pads them decode as unpadded ones: the cause is
-    in capture or replay, not in the padding.)"""
-    from megatron_patch.inference import decode_attention, dynamic
+    mattered on 2026-12-04); each prompt alone and the four reversed, request by request; the first call on a
+    fresh engine (the others are second calls); and the graphs' and eager rows against HF. (On a CPU, eager steps
+    padded as a graph step pads them decode as unpadded ones: the cause is in capture or replay, not in the
+    padding.)"""
+    from megatron_patch.inference import Sampling, decode_attention, dynamic, generate
+    from megatron_patch.tokenizer import TINY_TOKENIZER, build_tokenizer
 
     model, hf, prompts, _ = _dense_mla(tmp_path, monkeypatch)
     monkeypatch.setattr(dynamic, "MLA_GRAPHS", True)
@@ -377,6 +379,10 @@ def test_mla_cuda_graphs_equal_eager(tmp_path, monkeypatch):
     dynamic.release_engine()
     equal["graphs_each_alone_equal_eager"] = [
         _generate_timed(model, [p], engine="dynamic", cuda_graphs=True)[1] == [e] for p, e in zip(prompts, eager)]
+    dynamic.release_engine()  # the graphs' first call on a fresh engine (the rows above are each second call's)
+    equal["graphs_first_call_equal_eager"] = generate(model, build_tokenizer(TINY_TOKENIZER), prompts,
+                                                      Sampling(STEPS, top_k=1, stop_id=None), engine="dynamic",
+                                                      cuda_graphs=True) == eager
     dynamic.release_engine()
     reverse = _generate_timed(model, prompts[::-1], engine="dynamic", cuda_graphs=True)[1]
     equal["graphs_reversed_equal_eager"] = [r == e for r, e in zip(reverse[::-1], eager)]
