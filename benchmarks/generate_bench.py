@@ -9,7 +9,9 @@ inference engine (continuous batching, paged KV cache, CUDA graphs) and on its s
 
 Shapes: LLaMA-3 widths (`1b`: Llama-3.2-1B, hidden 2048, 16 layers, tied embeddings; `8b`: Llama-3.1-8B,
 hidden 4096, 32 layers), vocab 128,256; multi-latent attention at DeepSeek-V2-Lite's widths (`v2-lite`, 27
-layers, 64 experts, with a query latent); random bf16 weights made by transformers and converted in memory. On
+layers, 64 experts, with a query latent); a mixture of experts at Mixtral-8x7B's widths with 8 of its 32 layers
+(`mixtral-8l`: CUDA graphs of its decode steps with `--cuda-graph-impl local`, `dynamic.MOE_GRAPHS` being off
+until measured); random bf16 weights made by transformers and converted in memory. On
 a GPU the dynamic engine runs multi-latent attention only with `--mla-gpu` (`dynamic.MLA_ON_GPU`, off until
 measured).
 Requests: a JSONL file of prompts (`{"prompt_ids": [...]}`, random token ids, lengths uniform in
@@ -58,6 +60,16 @@ SHAPES = {  # LLaMA-3 widths, and DeepSeek's where a shape names its model type
                     qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, topk_method="greedy", n_group=1,
                     topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=False, vocab_size=102400,
                     rope_theta=10000.0, tie_word_embeddings=False),
+    # Mixtral-8x7B's widths (8 experts of FFN 14336, top-2, vocab 32,000) with 8 of its 32 layers: 11.7B
+    # parameters, 3.3B read a token
+    "mixtral-8l": dict(architectures=["MixtralForCausalLM"], model_type="mixtral", hidden_size=4096,
+                       intermediate_size=14336, num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=8,
+                       num_local_experts=8, num_experts_per_tok=2, vocab_size=32000, rope_theta=1000000.0,
+                       tie_word_embeddings=False),
+    "tiny-moe": dict(architectures=["MixtralForCausalLM"], model_type="mixtral", hidden_size=64,
+                     intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     num_local_experts=4, num_experts_per_tok=2, vocab_size=1000, rope_theta=10000.0,
+                     tie_word_embeddings=False),
     "tiny-mla": dict(architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", hidden_size=64,
                      intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
@@ -97,11 +109,18 @@ def hf_config(shape: str, context: int) -> dict:
 
 def bytes_read_per_decode_step(hf) -> int:
     """Every weight once (tied embeddings once), less the input embedding table when it is a separate
-    matrix (a decode step reads one row of it)."""
+    matrix (a decode step reads one row of it), and of a mixture of experts' routed experts the share one token
+    is routed to (`num_experts_per_tok` of them; shared experts whole)."""
     total = sum(p.numel() * p.element_size() for p in hf.parameters())  # parameters() lists a tied weight once
     if not hf.config.tie_word_embeddings:
         emb = hf.get_input_embeddings().weight
         total -= emb.numel() * emb.element_size()
+    c = hf.config
+    experts = getattr(c, "num_local_experts", None) or getattr(c, "n_routed_experts", None)
+    if experts:
+        routed = sum(p.numel() * p.element_size() for n, p in hf.named_parameters()
+                     if ".experts." in n and "shared_experts" not in n)
+        total -= routed - routed * c.num_experts_per_tok // experts
     return total
 
 

@@ -178,3 +178,32 @@ def test_engine_probe_kernel_choices_set_the_engine_switches():
         assert dynamic.SAMPLING_NO_SYNC is False and dynamic.DECODE_ROPE is False
     finally:
         dynamic.DECODE_GEMV, dynamic.DECODE_ATTENTION, dynamic.SAMPLING_NO_SYNC, dynamic.DECODE_ROPE = saved
+
+
+def test_bound_of_a_mixture_of_experts_counts_the_experts_one_token_reads():
+    """A decode step of one request reads, of each MoE layer's routed experts, the `num_experts_per_tok` its token
+    is routed to: the bound counts that share of the routed experts' bytes (shared experts and everything else
+    whole; the input embedding table as one row, as for a dense model)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    bench = _bench()
+    for shape, routed in (("tiny-moe", "experts"), ("tiny-mla", "experts")):
+        cfg = bench.hf_config(shape, 64)
+        hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg), dtype=torch.float32)
+        experts = sum(p.numel() * 4 for n, p in hf.named_parameters()
+                      if f".{routed}." in n and "shared_experts" not in n)
+        emb = hf.get_input_embeddings().weight.numel() * 4
+        total = sum(p.numel() * 4 for p in hf.parameters())
+        k, e = cfg["num_experts_per_tok"], cfg.get("num_local_experts", cfg.get("n_routed_experts"))
+        assert experts > 0 and k < e
+        assert bench.bytes_read_per_decode_step(hf) == total - emb - experts + experts * k // e
+
+
+def test_mixture_of_experts_shape_runs_its_rows(tmp_path, cpu_megatron):
+    """A Mixtral shape runs the dynamic engine's row and HF's (its experts converted in memory)."""
+    result = _bench().main(["--shapes", "tiny-moe", "--device", "cpu", "--impl", "local", "--dtype", "fp32",
+                            "--requests", "2", "--new", "3", "--min-prompt", "4", "--max-prompt", "6", "--repeat", "1",
+                            "--engines", "dynamic", "--hf", "hf", "--prompts", str(tmp_path / "p.jsonl")])
+    assert [r["run"] for r in result["rows"]] == ["ours (dynamic engine)", "HF generate"]
+    assert all("skipped" not in r for r in result["rows"]), result["rows"]
