@@ -92,12 +92,15 @@ def test_dynamic_engine_256_mixed_requests_graphs_on_equals_off(trained):
     model, _ = load_model(None, hf_dir, impl="transformer_engine", dtype=torch.bfloat16)
     sampling = Sampling(STEPS, top_k=1, stop_id=None)
     on = generate(model, tok, prompts, sampling, max_batch_size=64, cuda_graphs=True, engine="dynamic")
+    # the engine and its graphs are kept for the next call (RLHF rollouts call it every step): the same tokens again
+    again = generate(model, tok, prompts, sampling, max_batch_size=64, cuda_graphs=True, engine="dynamic")
     off = generate(model, tok, prompts, sampling, max_batch_size=64, cuda_graphs=False, engine="dynamic")
     same = sum(a == b for a, b in zip(on, off))
     _record(test="dynamic_256_graphs_on_off", requests=len(prompts), prompt_lengths=[min(lengths), max(lengths)],
-            finished=sum(len(t) == STEPS for t in on), identical=same)
+            finished=sum(len(t) == STEPS for t in on), identical=same,
+            reused_engine_identical=sum(a == b for a, b in zip(on, again)))
     assert all(len(t) == STEPS for t in on) and all(len(t) == STEPS for t in off)
-    assert same == len(prompts)
+    assert same == len(prompts) and again == on
 
 
 def _cuda_kernels(fn, *args, **kwargs) -> list[str]:
@@ -265,7 +268,8 @@ def test_alibi_on_the_dynamic_engine_equals_hf(tmp_path):
     """ALiBi on the dynamic engine on the GPU (the `alibi_paged_attention` patch: prompts in torch, decode steps on
     the split-KV Triton kernel with the slopes, CUDA graphs of decode-only steps): a small Bloom (random weights,
     8 heads of 32, Transformer Engine, bf16) generates HF bf16's greedy tokens (near-ties allowed, as above), with
-    CUDA graphs the same tokens as without, and `auto` picks the dynamic engine for it."""
+    CUDA graphs the same tokens as without (also in a second call on the kept engine, whose graphs are replayed
+    as captured in the first), and `auto` picks the dynamic engine for it."""
     from megatron_patch.inference import Sampling, choose_engine, generate
     from megatron_patch.tokenizer import TINY_TOKENIZER, build_tokenizer
     from tests.models import any_config
@@ -276,10 +280,12 @@ def test_alibi_on_the_dynamic_engine_equals_hf(tmp_path):
     prompts = MIXED_PROMPTS
     sampling, tok = Sampling(STEPS, top_k=1, stop_id=None), build_tokenizer(TINY_TOKENIZER)
     on = generate(model, tok, prompts, sampling, cuda_graphs=True, engine="dynamic")
+    again = generate(model, tok, prompts, sampling, cuda_graphs=True, engine="dynamic")  # the kept engine's graphs
     off = generate(model, tok, prompts, sampling, cuda_graphs=False, engine="dynamic")
     rows = greedy_rows(hf, prompts, on, "cuda")
-    _record(test="alibi_dynamic_engine", prompts=rows, graphs_on_equals_off=on == off)
-    assert on == off
+    _record(test="alibi_dynamic_engine", prompts=rows, graphs_on_equals_off=on == off,
+            reused_engine_equal=again == on)
+    assert on == off and again == on
     for r in rows:
         assert r["identical"] or r["hf_margin_at_diff"] < MARGIN[torch.bfloat16], r
 
