@@ -105,6 +105,7 @@ class EnginePlan:
     decode_rope: bool = False  # the fused_decode_rope patch (DECODE_ROPE): likewise
     alibi: bool = False  # the model attends with ALiBi: the alibi_paged_attention patch (decode-only graphs)
     latent: bool = False  # multi-latent attention: the mla_latent_cache patch, pages of MLA_BLOCK_SIZE_TOKENS
+    moe: bool = False  # MoE layers: with CUDA graphs, on the all-to-all dispatcher padded (moe_graph_dispatch)
 
     @property
     def block_size_tokens(self) -> int:
@@ -138,11 +139,11 @@ def moe_layers(model) -> list:
     return [m for m in model.modules() if isinstance(m, MoELayer)]
 
 
-def graphs_refused(model, latent: bool) -> str | None:
-    """Why the dynamic engine captures no CUDA graphs of `model` (None: it may): MoE layers on a dispatcher
-    `moe_graph_dispatch` cannot make capturable (the flex one), and multi-latent attention (`latent`) while
-    `MLA_GRAPHS` is off."""
-    if any(m.config.moe_token_dispatcher_type not in ("allgather", "alltoall") for m in moe_layers(model)):
+def graphs_refused(model, latent: bool, moe: list) -> str | None:
+    """Why the dynamic engine captures no CUDA graphs of `model` (None: it may): MoE layers (`moe`, its
+    `moe_layers`) on a dispatcher `moe_graph_dispatch` cannot make capturable (the flex one), and multi-latent
+    attention (`latent`) while `MLA_GRAPHS` is off."""
+    if any(m.config.moe_token_dispatcher_type not in ("allgather", "alltoall") for m in moe):
         return (f"CUDA graphs of MoE layers: megatron-core's {model.config.moe_token_dispatcher_type} token "
                 "dispatcher reads each expert's token count on the host, which a graph cannot capture; "
                 "generate without CUDA graphs")
@@ -208,13 +209,14 @@ def plan_engine(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, ma
         raise ValueError(f"{given} holds {holds} tokens; the longest request needs {longest + max_new_tokens} "
                          f"({longest} prompt + {max_new_tokens} new tokens), in blocks of {page} tokens "
                          f"{blocks_per_request * block / 1024 ** 3:.3g} GiB: raise --kv-cache-gb")
-    refused = graphs_refused(model, latent)
+    moe = moe_layers(model)
+    refused = graphs_refused(model, latent, moe)
     if cuda_graphs is None:
         from megatron.core import parallel_state as ps
 
         cuda_graphs = (torch.cuda.is_available() and model.config.pipeline_model_parallel_size == 1
                        and ps.get_expert_model_parallel_world_size() == 1 and refused is None
-                       and (MOE_GRAPHS or not moe_layers(model)))
+                       and (MOE_GRAPHS or not moe))
     if cuda_graphs and not torch.cuda.is_available():
         raise ValueError("CUDA graphs need a GPU")
     if cuda_graphs and refused is not None:
@@ -230,10 +232,10 @@ def plan_engine(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, ma
                       # (attention in torch reads the prompts' lengths on the host; MoE layers padded to capacity
                       # would give every expert a row for each token of a prefill: decode-only graphs only)
                       non_decode_graphs=not (patches.attends_in_torch(model.config.params_dtype) or alibi or latent
-                                             or bool(moe_layers(model))),
+                                             or bool(moe)),
                       async_scheduling=async_scheduling(), decode_gemv=wanted(DECODE_GEMV),
                       decode_attention=wanted(DECODE_ATTENTION), decode_rope=wanted(DECODE_ROPE), alibi=alibi,
-                      latent=latent)
+                      latent=latent, moe=bool(moe))
 
 
 def async_scheduling() -> bool:
@@ -289,7 +291,7 @@ def generate_dynamic(model, tokenizer, prompts: list[list[int]], sampling: Sampl
               # last: ALiBi layers attend with their bias before any other paged attention sees them
               patches.applied("alibi_paged_attention") if plan.alibi else contextlib.nullcontext(),
               _latent_cache(model) if plan.latent else contextlib.nullcontext(),
-              moe_graph_dispatch(model) if plan.cuda_graphs and moe_layers(model) else contextlib.nullcontext()):
+              moe_graph_dispatch(model) if plan.cuda_graphs and plan.moe else contextlib.nullcontext()):
             engine = _Engines.get(model, tokenizer, plan)
             return _run(engine, tokenizer, prompts, sampling, on_tokens)
 
@@ -303,9 +305,9 @@ def moe_graph_dispatch(model) -> Iterator[None]:
     capacity of every token (`num_moe_experts / moe_router_topk`: no token dropped; the padded rows weigh 0). Here
     each MoE layer's all-gather dispatcher (ours; both compute the same, only the all-to-all one has the padded
     mode) is swapped for an all-to-all one (built once per layer, kept for later calls) and the switch set;
-    afterwards the dispatchers,
-    the switch and the capacity settings the controller changes are put back, as is megatron-core's
-    process-wide list of MoE layers (`inference.utils.moe_layer_cache`, filled from the first model it sees)."""
+    afterwards the dispatchers, the switch and the capacity settings the controller changes are put back, as is
+    megatron-core's process-wide list of MoE layers (`inference.utils.moe_layer_cache`, filled from the first model
+    it sees)."""
     from megatron.core.inference import utils as inference_utils
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 

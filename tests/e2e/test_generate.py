@@ -692,7 +692,6 @@ def test_moe_decode_graphs_pad_each_expert_to_capacity_on_the_all_to_all_dispatc
     layer gives the same output padded as with the all-gather dispatcher (every token's experts weighted alike; the
     padded rows weigh 0), the same unpadded, and greedy generation inside the swap equals HF's."""
     from megatron.core.inference import utils as inference_utils
-    from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
     from megatron_patch.inference import Sampling, dynamic, generate
@@ -700,7 +699,7 @@ def test_moe_decode_graphs_pad_each_expert_to_capacity_on_the_all_to_all_dispatc
 
     c, model = _converted(variant)
     cfg = model.config
-    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+    layers = dynamic.moe_layers(model)
     before = [m.token_dispatcher for m in layers]
     saved = (cfg.moe_pad_experts_for_cuda_graph_inference, cfg.moe_expert_capacity_factor,
              cfg.moe_pad_expert_input_to_capacity, cfg.moe_token_dispatcher_type)
