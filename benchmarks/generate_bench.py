@@ -11,7 +11,7 @@ Shapes: LLaMA-3 widths (`1b`: Llama-3.2-1B, hidden 2048, 16 layers, tied embeddi
 hidden 4096, 32 layers), vocab 128,256; multi-latent attention at DeepSeek-V2-Lite's widths (`v2-lite`, 27
 layers, 64 experts, with a query latent); a mixture of experts at Mixtral-8x7B's widths with 8 of its 32 layers
 (`mixtral-8l`: CUDA graphs of its decode steps with `--cuda-graph-impl local`, `dynamic.MOE_GRAPHS` being off
-until measured); random bf16 weights made by transformers and converted in memory. On
+until measured; `--moe-dropless`: its MoE layers on grouped GEMMs, `dynamic.MOE_DROPLESS`); random bf16 weights made by transformers and converted in memory. On
 a GPU the dynamic engine runs multi-latent attention only with `--mla-gpu` (`dynamic.MLA_ON_GPU`, off until
 measured).
 Requests: a JSONL file of prompts (`{"prompt_ids": [...]}`, random token ids, lengths uniform in
@@ -180,7 +180,7 @@ def run_shape(a, shape: str, prompts: list[list[int]], timer: Timer) -> list[dic
     from megatron_patch.conversion.engine import hf_to_megatron, load_rank_state_dict, make_plan
     from megatron_patch.conversion.hf_io import checkpoint_state_dict
     from megatron_patch.inference import Sampling, generate
-    from megatron_patch.inference.dynamic import release_engine
+    from megatron_patch.inference.dynamic import moe_layers, release_engine
     from megatron_patch.models import Layout, build_model
     from megatron_patch.names import torch_dtype
 
@@ -217,8 +217,9 @@ def run_shape(a, shape: str, prompts: list[list[int]], timer: Timer) -> list[dic
                                   pad_token_id=0, **kw)
             assert out.shape[1] == padded + new
 
-        runs = [(f"ours ({engine} engine)", lambda new=a.new, engine=engine: ours(new, engine))
-                for engine in a.engines]
+        dropless = ", dropless MoE" if a.moe_dropless and moe_layers(model) else ""
+        runs = [(f"ours ({engine} engine{dropless if engine == 'dynamic' else ''})",
+                 lambda new=a.new, engine=engine: ours(new, engine)) for engine in a.engines]
         if "hf" in a.hf:
             runs.append(("HF generate", hf_call))
         if "hf-static-compile" in a.hf:
@@ -310,6 +311,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--bandwidth-tb-s", type=float, default=4.8, help="memory bandwidth for the bound (H200: 4.8)")
     ap.add_argument("--mla-gpu", action="store_true",
                     help="multi-latent attention on the dynamic engine on a GPU (dynamic.MLA_ON_GPU: off by default)")
+    ap.add_argument("--moe-dropless", action="store_true",
+                    help="MoE layers dropless on grouped GEMMs on the dynamic engine (dynamic.MOE_DROPLESS: off by "
+                         "default); its rows read 'dropless MoE'")
     ap.add_argument("--out", help="also write the rows and versions here as JSON")
     a = ap.parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
@@ -335,6 +339,10 @@ def main(argv: list[str] | None = None) -> dict:
         from megatron_patch.inference import dynamic
 
         dynamic.MLA_ON_GPU = True
+    if a.moe_dropless:
+        from megatron_patch.inference import dynamic
+
+        dynamic.MOE_DROPLESS = True
     info = versions()
     print(json.dumps(info), flush=True)
     timer = Timer(a.device, a.repeat)

@@ -12,6 +12,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from megatron_patch import compat
+from megatron_patch.inference import moe_dropless
 from megatron_patch.inference.sampling import Sampling
 from megatron_patch.inference.stops import holds_stop, stop_window
 
@@ -79,6 +80,13 @@ MLA_GRAPHS: bool = False
 # capacity). Off until the GPU smoke has run them (`test_moe_on_the_dynamic_engine_equals_hf` turns it on; tested on
 # a CPU only so far, 2026-12-04); asked for (`cuda_graphs=True`, `--cuda-graph-impl local`) they run.
 MOE_GRAPHS: bool = False
+# MoE layers dropless on the engine (`inference/moe_dropless.py`): every token to its k experts, each expert's rows
+# in two grouped GEMMs with device-side offsets, no host synchronisation; eager and graph steps alike, prefill
+# included, instead of megatron-core's dispatchers (a sync a layer, `SequentialMLP`'s experts one by one; under
+# graphs every expert padded to a row per token, `moe_graph_dispatch`). Where `moe_dropless.refusals` passes (one
+# rank holds every expert; bf16 on a GPU). Exact on a CPU (fp32 and bf16 layer outputs equal megatron-core's,
+# greedy tokens HF's); off until the GPU smoke has run it (2026-12-04).
+MOE_DROPLESS: bool = False
 
 
 def default_max_requests() -> int:
@@ -106,6 +114,7 @@ class EnginePlan:
     alibi: bool = False  # the model attends with ALiBi: the alibi_paged_attention patch (decode-only graphs)
     latent: bool = False  # multi-latent attention: the mla_latent_cache patch, pages of MLA_BLOCK_SIZE_TOKENS
     moe: bool = False  # MoE layers: with CUDA graphs, on the all-to-all dispatcher padded (moe_graph_dispatch)
+    moe_dropless: bool = False  # ... or dropless in every step (MOE_DROPLESS, moe_dropless.dispatch)
 
     @property
     def block_size_tokens(self) -> int:
@@ -118,9 +127,10 @@ class EnginePlan:
         slots = (self.max_requests == other.max_requests
                  or (not other.bounded and self.max_requests >= other.max_requests))
         kernels = (self.cuda_graphs, self.non_decode_graphs, self.async_scheduling, self.decode_gemv,
-                   self.decode_attention, self.decode_rope)
+                   self.decode_attention, self.decode_rope, self.moe_dropless)
         return (slots and kernels == (other.cuda_graphs, other.non_decode_graphs, other.async_scheduling,
-                                      other.decode_gemv, other.decode_attention, other.decode_rope)
+                                      other.decode_gemv, other.decode_attention, other.decode_rope,
+                                      other.moe_dropless)
                 and self.max_sequence_length >= other.max_sequence_length and self.max_tokens >= other.max_tokens
                 and self.kv_cache_gb >= other.kv_cache_gb)
 
@@ -175,8 +185,9 @@ def plan_engine(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, ma
     in its CUDA-graph bookkeeping). `kv_cache_gb` None: the automatic budget (`KV_SHARE_OF_FREE_MEMORY`);
     a budget that cannot hold the longest request is refused. `cuda_graphs` None: on a GPU, at PP = EP = 1, for
     models without multi-latent attention (graphs at PP > 1 are untested here; MoE layers are captured on the
-    all-to-all dispatcher padded to capacity, `moe_graph_dispatch`, decode steps only, by default while
-    `MOE_GRAPHS` is on; multi-latent attention is refused while `MLA_GRAPHS` is off)."""
+    all-to-all dispatcher padded to capacity, `moe_graph_dispatch`, decode steps only, or dropless in every step
+    where `MOE_DROPLESS` is on and `moe_dropless.refusals` passes, by default while `MOE_GRAPHS` is on;
+    multi-latent attention is refused while `MLA_GRAPHS` is off)."""
     import torch
 
     from megatron_patch import patches
@@ -210,7 +221,8 @@ def plan_engine(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, ma
                          f"({longest} prompt + {max_new_tokens} new tokens), in blocks of {page} tokens "
                          f"{blocks_per_request * block / 1024 ** 3:.3g} GiB: raise --kv-cache-gb")
     moe = moe_layers(model)
-    refused = graphs_refused(model, latent, moe)
+    dropless = bool(moe) and MOE_DROPLESS and moe_dropless.refusals(moe) is None
+    refused = graphs_refused(model, latent, [] if dropless else moe)
     if cuda_graphs is None:
         from megatron.core import parallel_state as ps
 
@@ -232,10 +244,10 @@ def plan_engine(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, ma
                       # (attention in torch reads the prompts' lengths on the host; MoE layers padded to capacity
                       # would give every expert a row for each token of a prefill: decode-only graphs only)
                       non_decode_graphs=not (patches.attends_in_torch(model.config.params_dtype) or alibi or latent
-                                             or bool(moe)),
+                                             or (bool(moe) and not dropless)),
                       async_scheduling=async_scheduling(), decode_gemv=wanted(DECODE_GEMV),
                       decode_attention=wanted(DECODE_ATTENTION), decode_rope=wanted(DECODE_ROPE), alibi=alibi,
-                      latent=latent, moe=bool(moe))
+                      latent=latent, moe=bool(moe), moe_dropless=dropless)
 
 
 def async_scheduling() -> bool:
@@ -291,9 +303,19 @@ def generate_dynamic(model, tokenizer, prompts: list[list[int]], sampling: Sampl
               # last: ALiBi layers attend with their bias before any other paged attention sees them
               patches.applied("alibi_paged_attention") if plan.alibi else contextlib.nullcontext(),
               _latent_cache(model) if plan.latent else contextlib.nullcontext(),
-              moe_graph_dispatch(model) if plan.cuda_graphs and plan.moe else contextlib.nullcontext()):
+              _moe_dispatch(model, plan)):
             engine = _Engines.get(model, tokenizer, plan)
             return _run(engine, tokenizer, prompts, sampling, on_tokens)
+
+
+def _moe_dispatch(model, plan: EnginePlan):
+    """How the engine's calls run the model's MoE layers: dropless (`moe_dropless.dispatch`), padded to capacity
+    under CUDA graphs (`moe_graph_dispatch`), or on the model's own dispatchers."""
+    if plan.moe_dropless:
+        return moe_dropless.dispatch(moe_layers(model))
+    if plan.cuda_graphs and plan.moe:
+        return moe_graph_dispatch(model)
+    return contextlib.nullcontext()
 
 
 @contextlib.contextmanager

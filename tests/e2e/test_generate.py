@@ -729,6 +729,118 @@ def test_moe_decode_graphs_pad_each_expert_to_capacity_on_the_all_to_all_dispatc
     dynamic.release_engine()
 
 
+class _HostReads(torch.overrides.TorchFunctionMode):
+    """Records the torch calls that read a tensor's values on the host (a stream synchronisation on a GPU, which a
+    CUDA graph cannot capture) or size an output by them."""
+
+    READS = {"tolist", "item", "cpu", "__bool__", "__int__", "__index__", "nonzero", "masked_select", "bincount",
+             "unique", "repeat_interleave"}
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in self.READS:
+            self.seen.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("variant", ["mixtral", "qwen2_moe", "deepseek_v3"])
+def test_moe_layers_run_dropless_on_grouped_gemms_without_host_reads(variant, cpu_megatron, monkeypatch):
+    """`moe_dropless.dispatch`: each MoE layer's tokens to their k experts and each expert's rows through two
+    grouped GEMMs at device-side offsets (no drops, no padding, nothing read on the host: megatron-core's
+    `SequentialMLP` reads the counts with `.tolist()` and runs its experts one by one). Asserted on CPU: a layer's
+    output equals megatron-core's (fp32: the same products and sums, 1e-6; bf16: within two roundings of the
+    largest output) for 7 tokens and for 1; megatron-core's layer reads counts on the host and the dropless one
+    does not; the experts' weights are stacked in place (the same parameter objects, the same values, now slices of
+    one [experts, out, in] buffer) and everything else is put back after the call; with `dynamic.MOE_DROPLESS` the
+    engine plans it (graphs of prefill steps too, on a GPU) and greedy generation equals HF's."""
+    from megatron_patch import patches
+    from megatron_patch.inference import Sampling, dynamic, generate, moe_dropless
+    from megatron_patch.tokenizer import build_tokenizer
+
+    c, model = _converted(variant)
+    layers = dynamic.moe_layers(model)
+    assert layers and moe_dropless.refusals(layers) is None
+    dispatchers = [m.token_dispatcher for m in layers]
+    params = {n: p for n, p in model.named_parameters()}
+    values = {n: p.detach().clone() for n, p in params.items()}
+    torch.manual_seed(0)
+    xs = [torch.randn(7, 1, model.config.hidden_size), torch.randn(1, 1, model.config.hidden_size)]
+    with torch.no_grad():
+        want = [layers[0](x)[0] for x in xs]
+        with _HostReads() as reads:
+            layers[0](xs[0])
+        assert reads.seen  # (the check sees megatron-core's reads)
+        with moe_dropless.dispatch(layers):
+            assert all(isinstance(m.token_dispatcher, moe_dropless.DroplessDispatcher) for m in layers)
+            with _HostReads() as reads:
+                got = [layers[0](x)[0] for x in xs]
+            assert reads.seen == []
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+    assert [m.token_dispatcher for m in layers] == dispatchers
+    assert all("forward" not in m.experts.__dict__ for m in layers)
+    assert {n: p for n, p in model.named_parameters()} == params  # the same objects
+    assert all(torch.equal(p, values[n]) for n, p in params.items())
+    for m in layers:  # stacked in place: later calls view the weights without copying
+        for ws in moe_dropless.expert_weights(m.experts):
+            view = moe_dropless.stacked(ws)
+            assert view is not None and view.data_ptr() == ws[0].data_ptr()
+            assert torch.equal(view, torch.stack([w.detach() for w in ws]))
+    monkeypatch.setattr(dynamic, "MOE_DROPLESS", True)
+    plan = dynamic.plan_engine(model, [[5, 6, 7]], 4, kv_cache_gb=0.01)
+    assert plan.moe_dropless
+    prompts = [[5, 6, 7], [9, 10, 11, 12]]
+    out = generate(model, build_tokenizer(TINY_TOKENIZER), prompts, Sampling(6, top_k=1), engine="dynamic")
+    assert out == [_hf_greedy(c, p, 6) for p in prompts]
+    assert [m.token_dispatcher for m in layers] == dispatchers
+    dynamic.release_engine()
+    if variant == "mixtral":  # graphs of prefill and mixed steps too: no step pads its experts
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        plan = dynamic.plan_engine(model, [[5, 6, 7]], 4, kv_cache_gb=0.01, cuda_graphs=True)
+        assert plan.moe_dropless and plan.cuda_graphs
+        assert plan.non_decode_graphs == (not patches.attends_in_torch(model.config.params_dtype))
+
+
+def test_moe_dropless_in_bf16_and_its_refusals(cpu_megatron):
+    """The dropless MoE layer in bf16 (the GPU's dtype for the grouped GEMM) gives megatron-core's output within two
+    bf16 roundings of the largest value; what it does not serve is refused with the reason, and megatron-core's
+    dispatchers stay: capacity (token drops), biases, weights viewed out of a larger buffer in another order (a
+    DDP-wrapped model's), which must not be moved."""
+    from megatron_patch.inference import dynamic, moe_dropless
+    from megatron_patch.models import build_model
+    from tests.models import any_config
+
+    torch.manual_seed(0)
+    model = build_model(any_config("mixtral"), impl="local", dtype=torch.bfloat16).eval()
+    layers = dynamic.moe_layers(model)
+    x = torch.randn(33, 1, model.config.hidden_size, dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = layers[0](x)[0].float()
+        with moe_dropless.dispatch(layers):
+            got = layers[0](x)[0].float()
+    assert (got - want).abs().max() <= 2 * 2 ** -8 * want.abs().max()
+    layer = layers[0]
+    cfg = layer.config
+    cfg.moe_expert_capacity_factor = 1.0
+    assert "moe_expert_capacity_factor" in moe_dropless.refusal(layer)
+    cfg.moe_expert_capacity_factor, cfg.add_bias_linear = None, True
+    assert "add_bias_linear" in moe_dropless.refusal(layer)
+    cfg.add_bias_linear = False
+    assert moe_dropless.refusal(layer) is None
+    ws = moe_dropless.expert_weights(layer.experts)[0]
+    buffer = torch.zeros(len(ws) + 1, *ws[0].shape, dtype=ws[0].dtype)
+    for i, w in enumerate(ws):  # laid out in reverse, as a bucket of DDP's may hold them
+        buffer[len(ws) - i].copy_(w.detach())
+        w.data = buffer[len(ws) - i]
+    assert moe_dropless.stacked(ws) is None
+    assert "views into a larger buffer" in moe_dropless.refusal(layer)
+    assert "MoE layer 0" in moe_dropless.refusals(layers)
+
+
 # (Bloom's tiny random model greedily picks the same tokens without the bias: the check that the bias matters runs
 # on Baichuan2-13B's)
 @pytest.mark.parametrize("variant, bias_decides", [("bloom", False), ("baichuan2_13b", True)])

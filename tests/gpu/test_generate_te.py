@@ -399,19 +399,23 @@ def test_mla_cuda_graphs_equal_eager(tmp_path, monkeypatch):
 
 
 @pytest.mark.smoke
-@pytest.mark.parametrize("variant", ["mixtral", "deepseek_v3"])
-def test_moe_on_the_dynamic_engine_equals_hf(tmp_path, monkeypatch, variant):
+@pytest.mark.parametrize("variant, dispatch", [("mixtral", "padded"), ("mixtral", "dropless"),
+                                               ("deepseek_v3", "own"), ("deepseek_v3", "dropless")])
+def test_moe_on_the_dynamic_engine_equals_hf(tmp_path, monkeypatch, variant, dispatch):
     """MoE models on the dynamic engine on the GPU. megatron-core's all-gather token dispatcher reads the tokens per
     expert on the host, which broke CUDA graph capture (2026-12-04, `Cannot copy between CPU and CUDA tensors during
-    CUDA graph capture`); the engine now captures MoE layers on the all-to-all dispatcher padded to capacity
-    (`dynamic.moe_graph_dispatch`; `dynamic.MOE_GRAPHS` on for the test). A small Mixtral (graphs on by default:
-    its tokens also compared with eager decoding's and timed against them) and a DeepSeek-V3 with MoE layers
-    (multi-latent attention switched on, `dynamic.MLA_ON_GPU`, whose graphs stay off: `dynamic.MLA_GRAPHS`; TE,
-    bf16, random weights) generate HF bf16's greedy tokens on the dynamic engine (near-ties allowed, as above)."""
+    CUDA graph capture`). A small Mixtral with CUDA graphs (`dynamic.MOE_GRAPHS` on for the test): its MoE layers
+    captured on the all-to-all dispatcher padded to capacity (`padded`, `dynamic.moe_graph_dispatch`) or dropless
+    (`dropless`, `dynamic.MOE_DROPLESS`: grouped GEMMs at device-side offsets, `inference/moe_dropless.py`; graphs
+    of prefill steps too), its tokens also compared with eager decoding's and timed against them; a DeepSeek-V3
+    with MoE layers (multi-latent attention switched on, `dynamic.MLA_ON_GPU`, whose graphs stay off:
+    `dynamic.MLA_GRAPHS`) on megatron-core's own dispatcher or dropless, eagerly (TE, bf16, random weights):
+    each generates HF bf16's greedy tokens on the dynamic engine (near-ties allowed, as above)."""
     from megatron_patch.inference import dynamic
     from tests.models import any_config
 
     monkeypatch.setattr(dynamic, "MOE_GRAPHS", True)
+    monkeypatch.setattr(dynamic, "MOE_DROPLESS", dispatch == "dropless")
     cfg = any_config(variant)
     if variant == "mixtral":  # heads of 64: FA4's paged prefill refuses head dims it has no tiles for (the tiny 8)
         cfg = {**cfg, "hidden_size": 512, "head_dim": 64}
@@ -420,16 +424,17 @@ def test_moe_on_the_dynamic_engine_equals_hf(tmp_path, monkeypatch, variant):
         monkeypatch.setattr(dynamic, "MLA_ON_GPU", True)
     model, hf = _tiny_te_model(cfg, str(tmp_path / variant))
     prompts = MIXED_PROMPTS
-    graphs = dynamic.plan_engine(model, prompts, STEPS).cuda_graphs
-    assert graphs == (variant == "mixtral")
+    plan = dynamic.plan_engine(model, prompts, STEPS)
+    assert plan.cuda_graphs == (variant == "mixtral") and plan.moe_dropless == (dispatch == "dropless")
     seconds, out = _generate_timed(model, prompts, engine="dynamic")
     rows = greedy_rows(hf, prompts, out, "cuda")
-    extra = {}
-    if graphs:
+    extra = {"seconds": round(seconds, 3)}
+    if plan.cuda_graphs:
         eager_s, eager = _generate_timed(model, prompts, engine="dynamic", cuda_graphs=False)
-        extra = {"graphs_equal_eager": eager == out, "seconds_graphs": round(seconds, 3),
-                 "seconds_eager": round(eager_s, 3)}
-    _record(test="moe_dynamic_engine", variant=variant, cuda_graphs=graphs, prompts=rows, **extra)
+        extra.update(graphs_equal_eager=eager == out, non_decode_graphs=plan.non_decode_graphs,
+                     seconds_eager=round(eager_s, 3))
+    _record(test="moe_dynamic_engine", variant=f"{variant}-{dispatch}", cuda_graphs=plan.cuda_graphs, prompts=rows,
+            **extra)
     for r in rows:
         assert r["identical"] or r["hf_margin_at_diff"] < MARGIN[torch.bfloat16], r
     dynamic.release_engine()

@@ -207,3 +207,18 @@ def test_mixture_of_experts_shape_runs_its_rows(tmp_path, cpu_megatron):
                             "--engines", "dynamic", "--hf", "hf", "--prompts", str(tmp_path / "p.jsonl")])
     assert [r["run"] for r in result["rows"]] == ["ours (dynamic engine)", "HF generate"]
     assert all("skipped" not in r for r in result["rows"]), result["rows"]
+
+
+def test_mixture_of_experts_rows_run_dropless_when_asked(tmp_path, cpu_megatron, monkeypatch):
+    """`--moe-dropless` switches the dynamic engine's MoE layers to the grouped GEMMs (`dynamic.MOE_DROPLESS`) and
+    names the row so; a dense shape's row keeps its name."""
+    from megatron_patch.inference import dynamic
+
+    monkeypatch.setattr(dynamic, "MOE_DROPLESS", False)
+    args = ["--device", "cpu", "--impl", "local", "--dtype", "fp32", "--requests", "2", "--new", "3",
+            "--min-prompt", "4", "--max-prompt", "6", "--repeat", "1", "--engines", "dynamic", "--hf",
+            "--prompts", str(tmp_path / "p.jsonl"), "--moe-dropless"]
+    rows = _bench().main(["--shapes", "tiny-moe", "tiny", *args])["rows"]
+    assert [r["run"] for r in rows] == ["ours (dynamic engine, dropless MoE)", "ours (dynamic engine)"]
+    assert all("skipped" not in r for r in rows), rows
+    assert dynamic.MOE_DROPLESS
