@@ -11,9 +11,9 @@ Shapes: LLaMA-3 widths (`1b`: Llama-3.2-1B, hidden 2048, 16 layers, tied embeddi
 hidden 4096, 32 layers), vocab 128,256; multi-latent attention at DeepSeek-V2-Lite's widths (`v2-lite`, 27
 layers, 64 experts, with a query latent); a mixture of experts at Mixtral-8x7B's widths with 8 of its 32 layers
 (`mixtral-8l`: CUDA graphs of its decode steps with `--cuda-graph-impl local`, `dynamic.MOE_GRAPHS` being off
-until measured; `--moe-dropless`: its MoE layers on grouped GEMMs, `dynamic.MOE_DROPLESS`); random bf16 weights made by transformers and converted in memory. On
-a GPU the dynamic engine runs multi-latent attention only with `--mla-gpu` (`dynamic.MLA_ON_GPU`, off until
-measured).
+until measured; `--moe-dropless`: its MoE layers on grouped GEMMs, `dynamic.MOE_DROPLESS`); random bf16 weights
+made by transformers and converted in memory. On a GPU the dynamic engine runs multi-latent attention only with
+`--mla-gpu` (`dynamic.MLA_ON_GPU`, off until measured).
 Requests: a JSONL file of prompts (`{"prompt_ids": [...]}`, random token ids, lengths uniform in
 [--min-prompt, --max-prompt], seed 0; written to --prompts if that file does not exist, else read from it);
 a row with N requests takes the file's first N. Greedy, no early stop: every request produces exactly

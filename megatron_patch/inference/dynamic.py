@@ -149,6 +149,12 @@ def moe_layers(model) -> list:
     return [m for m in model.modules() if isinstance(m, MoELayer)]
 
 
+def runs_dropless(moe: list) -> bool:
+    """Whether an engine's calls run the MoE layers `moe` (`moe_layers`) dropless (`MOE_DROPLESS`, and every layer
+    passes `moe_dropless.refusals`)."""
+    return bool(moe) and MOE_DROPLESS and moe_dropless.refusals(moe) is None
+
+
 def graphs_refused(model, latent: bool, moe: list) -> str | None:
     """Why the dynamic engine captures no CUDA graphs of `model` (None: it may): MoE layers (`moe`, its
     `moe_layers`) on a dispatcher `moe_graph_dispatch` cannot make capturable (the flex one), and multi-latent
@@ -221,7 +227,7 @@ def plan_engine(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, ma
                          f"({longest} prompt + {max_new_tokens} new tokens), in blocks of {page} tokens "
                          f"{blocks_per_request * block / 1024 ** 3:.3g} GiB: raise --kv-cache-gb")
     moe = moe_layers(model)
-    dropless = bool(moe) and MOE_DROPLESS and moe_dropless.refusals(moe) is None
+    dropless = runs_dropless(moe)
     refused = graphs_refused(model, latent, [] if dropless else moe)
     if cuda_graphs is None:
         from megatron.core import parallel_state as ps

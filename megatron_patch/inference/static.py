@@ -1,8 +1,10 @@
 """`generate` on megatron-core's static-batch controller: fixed batches, a KV cache per batch (TP and EP, not
-PP). The path measured on the GPU machine; see `megatron_patch.inference.choose_engine`."""
+PP); MoE layers dropless as on the dynamic engine where `dynamic.runs_dropless`. The path measured on the GPU
+machine; see `megatron_patch.inference.choose_engine`."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Sequence
 
@@ -25,13 +27,16 @@ def generate_static(model, tokenizer, prompts: list[list[int]], sampling: Sampli
     from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
 
     from megatron_patch import patches
+    from megatron_patch.inference import dynamic, moe_dropless
 
     longest = max(len(p) for p in prompts) + sampling.max_new_tokens
+    moe = dynamic.moe_layers(model)
     params = sampling.megatron_params()
     params.no_detokenize_streaming_text = True  # streamed tokens are decoded by the caller
     params.no_early_termination = sampling.stop_id is None  # megatron otherwise stops at the tokenizer's eod
     out: list[list[int]] = []
-    with torch.no_grad(), patches.applied("cpu_cuda_calls"):
+    with (torch.no_grad(), patches.applied("cpu_cuda_calls"),
+          moe_dropless.dispatch(moe) if dynamic.runs_dropless(moe) else contextlib.nullcontext()):
         for start in range(0, len(prompts), batch_size):
             batch = prompts[start: start + batch_size]
             context = StaticInferenceContext(max_batch_size=len(batch), max_sequence_length=longest)

@@ -756,7 +756,8 @@ def test_moe_layers_run_dropless_on_grouped_gemms_without_host_reads(variant, cp
     largest output) for 7 tokens and for 1; megatron-core's layer reads counts on the host and the dropless one
     does not; the experts' weights are stacked in place (the same parameter objects, the same values, now slices of
     one [experts, out, in] buffer) and everything else is put back after the call; with `dynamic.MOE_DROPLESS` the
-    engine plans it (graphs of prefill steps too, on a GPU) and greedy generation equals HF's."""
+    engine plans it (graphs of prefill steps too, on a GPU) and greedy generation equals HF's, on the dynamic and the
+    static engine."""
     from megatron_patch import patches
     from megatron_patch.inference import Sampling, dynamic, generate, moe_dropless
     from megatron_patch.tokenizer import build_tokenizer
@@ -794,9 +795,16 @@ def test_moe_layers_run_dropless_on_grouped_gemms_without_host_reads(variant, cp
     plan = dynamic.plan_engine(model, [[5, 6, 7]], 4, kv_cache_gb=0.01)
     assert plan.moe_dropless
     prompts = [[5, 6, 7], [9, 10, 11, 12]]
-    out = generate(model, build_tokenizer(TINY_TOKENIZER), prompts, Sampling(6, top_k=1), engine="dynamic")
-    assert out == [_hf_greedy(c, p, 6) for p in prompts]
-    assert [m.token_dispatcher for m in layers] == dispatchers
+    calls = []
+    original = moe_dropless.DroplessDispatcher.dispatch_postprocess
+    monkeypatch.setattr(moe_dropless.DroplessDispatcher, "dispatch_postprocess",
+                        lambda self, *args: calls.append(1) or original(self, *args))
+    want = [_hf_greedy(c, p, 6) for p in prompts]
+    for engine in ("dynamic", "static"):  # (the static engine: where `auto` keeps DeepSeek on a GPU)
+        calls.clear()
+        assert generate(model, build_tokenizer(TINY_TOKENIZER), prompts, Sampling(6, top_k=1), engine=engine) == want
+        assert len(calls) >= 6 * len(layers)  # every step through the dropless layers
+        assert [m.token_dispatcher for m in layers] == dispatchers
     dynamic.release_engine()
     if variant == "mixtral":  # graphs of prefill and mixed steps too: no step pads its experts
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
