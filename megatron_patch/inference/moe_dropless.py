@@ -58,7 +58,9 @@ def refusal(layer) -> str | None:
     experts or tokens spread over ranks (EP, expert TP), routing or experts other than plain top-k to gated or
     plain activations without biases (capacity and drops, probabilities on the input, interleaved or clamped GLU,
     latent projections, shared experts overlapped with the dispatch, FP8 / FP4), or weights that are not plain
-    tensors of one shape and dtype, bf16 on a GPU (the grouped GEMM's dtype there), rows of 16-byte multiples."""
+    tensors of one shape and dtype, bf16 on a GPU (the dtype of torch's CUTLASS grouped GEMM, which reads the offsets
+    on the device; in other dtypes it loops over the groups with the offsets copied to the host), rows of 16-byte
+    multiples, aligned to 16 bytes."""
     if _grouped_mm() is None:
         return "no torch.nn.functional.grouped_mm in this torch"
     c, d = layer.config, layer.token_dispatcher
@@ -87,8 +89,12 @@ def refusal(layer) -> str | None:
             return f"{w0.dtype} expert weights on a GPU (its grouped GEMM takes bf16)"
         if any(n * w0.element_size() % 16 for n in w0.shape):
             return f"expert weights of shape {tuple(w0.shape)} (rows of 16-byte multiples)"
-    if any(stacked(ws) is None and not _own_storage(ws) for ws in weights):
-        return "expert weights that are views into a larger buffer (a DDP-wrapped model's)"
+    for ws in weights:
+        view = stacked(ws)
+        if view is None and not _own_storage(ws):
+            return "expert weights that are views into a larger buffer (a DDP-wrapped model's)"
+        if view is not None and view.data_ptr() % 16:
+            return "expert weights not aligned to 16 bytes (the grouped GEMM's requirement on a GPU)"
     return None
 
 
