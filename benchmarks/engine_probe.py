@@ -3,7 +3,7 @@ speed with CUDA graphs on and off, and (--profile) where a decode step's time go
 
     python benchmarks/engine_probe.py [--shape 1b] [--requests 1 32] [--graphs on off] [--sched legacy async] \\
         [--gemv on attn gemv off] [--sampling-sync on off] [--rope on|off] [--new 64] \\
-        [--profile DIR [--profile-requests 1 32] [--profile-steps 6]]
+        [--moe-dropless] [--profile DIR [--profile-requests 1 32] [--profile-steps 6]]
     python benchmarks/engine_probe.py --shape tiny --device cpu --impl local --dtype fp32 --graphs off \\
         --requests 1 2 --new 4 --min-prompt 4 --max-prompt 12 --repeat 1          # the logic, on a CPU
 
@@ -134,6 +134,7 @@ def measure(a, model, prompts, graphs: bool, timer: Timer, bound_ms: float, seen
             dynamic.DECODE_ATTENTION)
         row["rope_kernel"] = dynamic.wanted(dynamic.DECODE_ROPE)
         row["sampling_sync"] = not dynamic.SAMPLING_NO_SYNC
+        row["moe_dropless"] = dynamic.runs_dropless(dynamic.moe_layers(model))
         timer.sync()
         t = time.perf_counter()
         out = call(model, prompts, a.new, graphs)  # builds the engine (and captures its graphs)
@@ -285,6 +286,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--rope", choices=["on", "off"], default="on",
                     help="every row: on = our in-place RoPE kernel (dynamic.DECODE_ROPE, a GPU only; the "
                          "library's default), off = megatron-core's angle gathers, TE's fused RoPE and the query copy")
+    ap.add_argument("--moe-dropless", action="store_true",
+                    help="MoE layers dropless on grouped GEMMs (dynamic.MOE_DROPLESS) in every row and profile")
     ap.add_argument("--profile", metavar="DIR", help="also write profiler traces and summaries here")
     ap.add_argument("--profile-requests", type=int, nargs="+", default=[1], help="requests of the profiled runs")
     ap.add_argument("--profile-steps", type=int, default=6, help="engine steps traced")
@@ -316,6 +319,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     defaults = (dynamic.ASYNC_SCHEDULING, dynamic.DECODE_GEMV, dynamic.DECODE_ATTENTION, dynamic.SAMPLING_NO_SYNC,
                 dynamic.DECODE_ROPE)
+    dropless = dynamic.MOE_DROPLESS
+    dynamic.MOE_DROPLESS = dropless or a.moe_dropless
     for sched in a.sched:
         for gemv in a.gemv:
             for sync in a.sampling_sync:
@@ -339,6 +344,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                           flush=True)
     (dynamic.ASYNC_SCHEDULING, dynamic.DECODE_GEMV, dynamic.DECODE_ATTENTION, dynamic.SAMPLING_NO_SYNC,
      dynamic.DECODE_ROPE) = defaults
+    dynamic.MOE_DROPLESS = dropless
     return rows
 
 

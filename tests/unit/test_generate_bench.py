@@ -113,6 +113,26 @@ def test_hf_static_compile_row_says_whether_it_compiled(tmp_path, cpu_megatron, 
     assert bench.hf_compiled(Compiled()) is False
 
 
+def test_engine_probe_runs_moe_layers_dropless_when_asked(cpu_megatron, monkeypatch):
+    """engine_probe.py --moe-dropless: a mixture-of-experts shape's rows run the dropless MoE layers (the row says
+    so); the switch is put back afterwards."""
+    from megatron_patch.inference import dynamic
+
+    monkeypatch.setattr(dynamic, "MOE_DROPLESS", False)
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import engine_probe
+    finally:
+        sys.path.pop(0)
+    args = ["--shape", "tiny-moe", "--device", "cpu", "--impl", "local", "--dtype", "fp32", "--graphs", "off",
+            "--sampling-sync", "off", "--requests", "2", "--new", "6", "--min-prompt", "4", "--max-prompt", "12",
+            "--repeat", "1"]
+    own, dropless = engine_probe.main(args), engine_probe.main([*args, "--moe-dropless"])
+    assert [r["moe_dropless"] for r in own + dropless] == [False, True]
+    assert all("error" not in r for r in own + dropless)
+    assert not dynamic.MOE_DROPLESS
+
+
 def test_engine_probe_at_the_tiny_shape_on_cpu(tmp_path, cpu_megatron, capsys):
     """benchmarks/engine_probe.py's whole logic on a CPU: one row per (scheduling, sampling sync) with every token
     produced (the script asserts it), async scheduling's greedy tokens equal legacy's, the sampling patch's equal
