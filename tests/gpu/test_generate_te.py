@@ -360,9 +360,10 @@ def test_mla_cuda_graphs_equal_eager(tmp_path, monkeypatch):
     generates the same tokens as without them. Recorded for the diagnosis, each against eager: graphs with the torch
     decode instead of the Triton kernel, without asynchronous scheduling, without the RoPE kernel (none of the three
     mattered on 2026-12-04); each prompt alone and the four reversed, request by request; the first call on a
-    fresh engine (the others are second calls); and the graphs' and eager rows against HF. (On a CPU, eager steps
-    padded as a graph step pads them decode as unpadded ones: the cause is in capture or replay, not in the
-    padding.)"""
+    fresh engine (the others are second calls); the rotary table computed in every call instead of read from
+    megatron-core's lru_cache, one graph size only, megatron-core's local layers instead of TE's; and the graphs'
+    and eager rows against HF. (On a CPU, eager steps padded as a graph step pads them decode as unpadded ones: the
+    cause is in capture or replay, not in the padding.)"""
     from megatron_patch.inference import Sampling, decode_attention, dynamic, generate
     from megatron_patch.tokenizer import TINY_TOKENIZER, build_tokenizer
 
@@ -393,6 +394,31 @@ def test_mla_cuda_graphs_equal_eager(tmp_path, monkeypatch):
     reverse = _generate_timed(model, prompts[::-1], engine="dynamic", cuda_graphs=True)[1]
     equal["graphs_reversed_equal_eager"] = [r == e for r, e in zip(reverse[::-1], eager)]
     dynamic.release_engine()
+    # what only multi-latent attention does inside the captured block: its rotary table comes from megatron-core's
+    # process-wide lru_cache (`RotaryEmbedding.forward`, read by the graph, not owned by it; GQA's is a graph
+    # input) -> computed afresh in every call; one graph size only (every decode step padded to the largest);
+    # megatron-core's local layers instead of TE's (its fused norm + linear, which `mla_latent_cache` splits)
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    with monkeypatch.context() as m:
+        m.setattr(RotaryEmbedding, "forward", RotaryEmbedding.forward.__wrapped__)
+        equal["graphs_uncached_rope_equal_eager"] = _generate_timed(model, prompts, engine="dynamic",
+                                                                    cuda_graphs=True)[1] == eager
+    dynamic.release_engine()
+    with monkeypatch.context() as m:
+        m.setattr(dynamic, "NUM_CUDA_GRAPHS", 1)
+        equal["graphs_one_size_equal_eager"] = _generate_timed(model, prompts, engine="dynamic",
+                                                               cuda_graphs=True)[1] == eager
+    dynamic.release_engine()
+    from megatron_patch.inference import load_model
+
+    local, _ = load_model(None, str(tmp_path / "deepseek"), impl="local", dtype=torch.bfloat16)
+    local_eager = _generate_timed(local.eval(), prompts, engine="dynamic", cuda_graphs=False)[1]
+    equal["local_graphs_equal_local_eager"] = _generate_timed(local, prompts, engine="dynamic",
+                                                              cuda_graphs=True)[1] == local_eager
+    equal["local_eager_equal_te_eager"] = local_eager == eager
+    dynamic.release_engine()
+    del local
     _record(test="mla_cuda_graphs", prompts=greedy_rows(hf, prompts, graphs, "cuda"),
             eager_rows=greedy_rows(hf, prompts, eager, "cuda"), graphs_equal_eager=graphs == eager, **equal)
     assert graphs == eager
