@@ -64,7 +64,8 @@ def refusal(layer) -> str | None:
     if _grouped_mm() is None:
         return "no torch.nn.functional.grouped_mm in this torch"
     c, d = layer.config, layer.token_dispatcher
-    if any(_group_size(getattr(d, g, None)) > 1 for g in ("ep_group", "tp_group", "tp_ep_group")):
+    if (c.expert_model_parallel_size > 1 or (c.expert_tensor_parallel_size or 1) > 1
+            or any(_group_size(getattr(d, g, None)) > 1 for g in ("ep_group", "tp_group", "tp_ep_group"))):
         return "experts or tokens spread over ranks (EP or expert TP > 1)"
     unsupported = {"moe_expert_capacity_factor": c.moe_expert_capacity_factor is not None,
                    "moe_pad_expert_input_to_capacity": c.moe_pad_expert_input_to_capacity,

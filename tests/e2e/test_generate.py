@@ -816,8 +816,8 @@ def test_moe_layers_run_dropless_on_grouped_gemms_without_host_reads(variant, cp
 def test_moe_dropless_in_bf16_and_its_refusals(cpu_megatron):
     """The dropless MoE layer in bf16 (the GPU's dtype for the grouped GEMM) gives megatron-core's output within two
     bf16 roundings of the largest value; what it does not serve is refused with the reason, and megatron-core's
-    dispatchers stay: capacity (token drops), biases, weights viewed out of a larger buffer in another order (a
-    DDP-wrapped model's), which must not be moved."""
+    dispatchers stay: capacity (token drops), biases, experts over several ranks, weights viewed out of a larger
+    buffer in another order (a DDP-wrapped model's), which must not be moved."""
     from megatron_patch.inference import dynamic, moe_dropless
     from megatron_patch.models import build_model
     from tests.models import any_config
@@ -837,7 +837,9 @@ def test_moe_dropless_in_bf16_and_its_refusals(cpu_megatron):
     assert "moe_expert_capacity_factor" in moe_dropless.refusal(layer)
     cfg.moe_expert_capacity_factor, cfg.add_bias_linear = None, True
     assert "add_bias_linear" in moe_dropless.refusal(layer)
-    cfg.add_bias_linear = False
+    cfg.add_bias_linear, cfg.expert_model_parallel_size = False, 2
+    assert "EP or expert TP" in moe_dropless.refusal(layer)
+    cfg.expert_model_parallel_size = 1
     assert moe_dropless.refusal(layer) is None
     ws = moe_dropless.expert_weights(layer.experts)[0]
     buffer = torch.zeros(len(ws) + 1, *ws[0].shape, dtype=ws[0].dtype)
