@@ -18,8 +18,10 @@ experts' forward for the grouped GEMMs over the experts' weights stacked `[exper
 the parameters: weights already laid out one after the other in one storage are viewed as such; weights that
 each own their storage are moved once into one buffer, each parameter keeping its object and pointing at its
 slice (as megatron-core's `InferenceGroupedMLP._build_concatenated_weights` does; memory is unchanged after the
-move, one layer's experts at a time). Weights that are views into a larger buffer (a DDP-wrapped model's) are
-left alone: `refusal` then says why, and the engine keeps megatron-core's dispatchers."""
+move, one layer's experts at a time). Weights that are views into a larger buffer are never moved: at equal
+distances (a distributed optimizer's parameter buffer, which holds them in reverse order) they are viewed where they
+are, the groups then in reverse expert order; elsewhere `refusal` says why and the engine keeps megatron-core's
+dispatchers."""
 
 from __future__ import annotations
 
@@ -90,24 +92,33 @@ def refusal(layer) -> str | None:
             return f"{w0.dtype} expert weights on a GPU (its grouped GEMM takes bf16)"
         if any(n * w0.element_size() % 16 for n in w0.shape):
             return f"expert weights of shape {tuple(w0.shape)} (rows of 16-byte multiples)"
-    for ws in weights:
-        view = stacked(ws)
-        if view is None and not _own_storage(ws):
-            return "expert weights that are views into a larger buffer (a DDP-wrapped model's)"
-        if view is not None and view.data_ptr() % 16:
+    layouts = [stacked(ws) for ws in weights]
+    for ws, layout in zip(weights, layouts):
+        if layout is None and not _own_storage(ws):
+            return "expert weights that are views into a larger buffer at irregular places"
+        if layout is not None and (layout[0].data_ptr() % 16 or layout[0].stride(0) * layout[0].element_size() % 16):
             return "expert weights not aligned to 16 bytes (the grouped GEMM's requirement on a GPU)"
+    if len({layout[1] if layout else False for layout in layouts}) > 1:  # (own storages: stacked in order)
+        return "fc1 and fc2 expert weights laid out in opposite orders"
     return None
 
 
-def stacked(ws: list[torch.Tensor]) -> torch.Tensor | None:
-    """The weights `ws` ([out, in] each) as one [experts, out, in] tensor sharing their storage, if they lie one
-    after the other in one storage (contiguous, in order); else None."""
+def stacked(ws: list[torch.Tensor]) -> tuple[torch.Tensor, bool] | None:
+    """The weights `ws` ([out, in] each, one per expert) as one [experts, out, in] tensor over their own storage,
+    and whether it holds them in reverse expert order; None unless they lie at equal distances in one storage
+    (each contiguous, none overlapping): one after the other as `stack_in_place` leaves them, or as a distributed
+    optimizer's parameter buffer holds them (megatron-core's DDP fills its buckets in reverse order, `SequentialMLP`
+    interleaving fc1 and fc2: an expert's fc1 every fc1 + fc2 elements)."""
     w0 = ws[0]
-    storage, step = w0.untyped_storage().data_ptr(), w0.numel()
-    if not all(w.is_contiguous() and w.untyped_storage().data_ptr() == storage
-               and w.storage_offset() == w0.storage_offset() + i * step for i, w in enumerate(ws)):
+    storage = w0.untyped_storage().data_ptr()
+    if not all(w.is_contiguous() and w.untyped_storage().data_ptr() == storage for w in ws):
         return None
-    return w0.detach().as_strided((len(ws), *w0.shape), (step, w0.shape[1], 1), w0.storage_offset())
+    offsets = [w.storage_offset() for w in ws]
+    step = offsets[1] - offsets[0] if len(ws) > 1 else w0.numel()
+    if abs(step) < w0.numel() or any(o != offsets[0] + i * step for i, o in enumerate(offsets)):
+        return None
+    view = w0.detach().as_strided((len(ws), *w0.shape), (abs(step), w0.shape[1], 1), min(offsets))
+    return view, step < 0
 
 
 def _own_storage(ws: list[torch.Tensor]) -> bool:
@@ -115,12 +126,12 @@ def _own_storage(ws: list[torch.Tensor]) -> bool:
                and w.untyped_storage().nbytes() == w.numel() * w.element_size() for w in ws)
 
 
-def stack_in_place(ws: list[torch.Tensor]) -> torch.Tensor:
+def stack_in_place(ws: list[torch.Tensor]) -> tuple[torch.Tensor, bool]:
     """`stacked(ws)`, moving weights that each own their storage into one buffer first (each parameter keeps its
     object and now views its slice; the old storages are freed)."""
-    view = stacked(ws)
-    if view is not None:
-        return view
+    layout = stacked(ws)
+    if layout is not None:
+        return layout
     with torch.no_grad(), torch.inference_mode(False):
         buffer = torch.empty((len(ws), *ws[0].shape), dtype=ws[0].dtype, device=ws[0].device)
         for i, w in enumerate(ws):
@@ -132,17 +143,19 @@ def stack_in_place(ws: list[torch.Tensor]) -> torch.Tensor:
 class DroplessDispatcher:
     """A token dispatcher (megatron-core's interface: `dispatch_preprocess`, `token_dispatch`,
     `dispatch_postprocess`, `combine_preprocess`, `token_combine`, `combine_postprocess`) for one rank holding
-    every expert: each token's k experts (from the router's `routing_map`), its rows sorted by expert (stable),
-    the count per expert on the device; the combine puts the rows back in token order and sums each token's k rows
-    in fp32 (in a fixed order: the same sums under CUDA graphs and eagerly)."""
+    every expert: each token's k experts (from the router's `routing_map`), its rows sorted by expert (stable;
+    `reverse`: in reverse expert order, as the weights lie), the count per expert on the device; the combine puts
+    the rows back in token order and sums each token's k rows in fp32 (in a fixed order: the same sums under CUDA
+    graphs and eagerly)."""
 
-    def __init__(self, topk: int, num_experts: int):
-        self.topk, self.num_experts = topk, num_experts
+    def __init__(self, topk: int, num_experts: int, reverse: bool = False):
+        self.topk, self.num_experts, self.reverse = topk, num_experts, reverse
 
     def dispatch_preprocess(self, hidden_states, routing_map, probs):
         self.hidden_shape = hidden_states.shape
         experts = torch.topk(routing_map.to(torch.float32), self.topk, dim=1).indices  # [tokens, k]
-        flat = experts.reshape(-1)
+        # (weights held in reverse expert order: groups in that order)
+        flat = (self.num_experts - 1 - experts if self.reverse else experts).reshape(-1)
         self.order = torch.argsort(flat, stable=True)
         self.counts = torch.zeros(self.num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
             0, flat, torch.ones_like(flat))
@@ -210,8 +223,8 @@ def dispatch(layers: list) -> Iterator[None]:
     saved = [(m, m.token_dispatcher) for m in layers]
     try:
         for m in layers:
-            fc1, fc2 = (stack_in_place(ws) for ws in expert_weights(m.experts))
-            m.token_dispatcher = DroplessDispatcher(m.config.moe_router_topk, m.config.num_moe_experts)
+            (fc1, reverse), (fc2, _) = (stack_in_place(ws) for ws in expert_weights(m.experts))
+            m.token_dispatcher = DroplessDispatcher(m.config.moe_router_topk, m.config.num_moe_experts, reverse)
             m.experts.forward = experts_forward(m.config, fc1, fc2)
         yield
     finally:

@@ -788,8 +788,8 @@ def test_moe_layers_run_dropless_on_grouped_gemms_without_host_reads(variant, cp
     assert all(torch.equal(p, values[n]) for n, p in params.items())
     for m in layers:  # stacked in place: later calls view the weights without copying
         for ws in moe_dropless.expert_weights(m.experts):
-            view = moe_dropless.stacked(ws)
-            assert view is not None and view.data_ptr() == ws[0].data_ptr()
+            view, reverse = moe_dropless.stacked(ws)
+            assert not reverse and view.data_ptr() == ws[0].data_ptr()
             assert torch.equal(view, torch.stack([w.detach() for w in ws]))
     monkeypatch.setattr(dynamic, "MOE_DROPLESS", True)
     plan = dynamic.plan_engine(model, [[5, 6, 7]], 4, kv_cache_gb=0.01)
@@ -813,11 +813,44 @@ def test_moe_layers_run_dropless_on_grouped_gemms_without_host_reads(variant, cp
         assert plan.non_decode_graphs == (not patches.attends_in_torch(model.config.params_dtype))
 
 
-def test_moe_dropless_in_bf16_and_its_refusals(cpu_megatron):
+def test_moe_dropless_views_a_distributed_optimizers_buffer_in_place(cpu_megatron):
+    """A model wrapped in megatron-core's DDP with the distributed optimizer (as RLHF trains its actor between
+    rollouts) keeps its parameters in DDP's buffer, each expert's fc1 every fc1 + fc2 elements in reverse order: the
+    dropless layer views them there (never moves them, so DDP and the optimizer keep working on the same storage)
+    and gives megatron-core's output (bf16: within two roundings of the largest value)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from megatron_patch import patches
+    from megatron_patch.inference import dynamic, moe_dropless
+    from megatron_patch.models import build_model
+    from tests.models import any_config
+
+    torch.manual_seed(0)
+    model = build_model(any_config("mixtral"), impl="local", dtype=torch.bfloat16)
+    with patches.applied("cpu_parallel_state"):
+        DistributedDataParallel(model.config, DistributedDataParallelConfig(use_distributed_optimizer=True), model)
+    layers = dynamic.moe_layers(model)
+    weights = [w for ws in moe_dropless.expert_weights(layers[0].experts) for w in ws]
+    where = [(w.untyped_storage().data_ptr(), w.storage_offset()) for w in weights]
+    assert len({p for p, _ in where}) == 1 and weights[0].untyped_storage().nbytes() > 2 * weights[0].nbytes
+    assert moe_dropless.refusals(layers) is None and moe_dropless.stacked(weights[:len(weights) // 2])[1]
+    model.eval()
+    x = torch.randn(9, 1, model.config.hidden_size, dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = layers[0](x)[0].float()
+        with moe_dropless.dispatch(layers):
+            got = layers[0](x)[0].float()
+    assert (got - want).abs().max() <= 2 * 2 ** -8 * want.abs().max()
+    assert [(w.untyped_storage().data_ptr(), w.storage_offset()) for w in weights] == where
+
+
+def test_moe_dropless_in_bf16_in_a_bucket_layout_and_its_refusals(cpu_megatron):
     """The dropless MoE layer in bf16 (the GPU's dtype for the grouped GEMM) gives megatron-core's output within two
-    bf16 roundings of the largest value; what it does not serve is refused with the reason, and megatron-core's
-    dispatchers stay: capacity (token drops), biases, experts over several ranks, weights viewed out of a larger
-    buffer in another order (a DDP-wrapped model's), which must not be moved."""
+    bf16 roundings of the largest value, also with its expert weights where a distributed optimizer's parameter
+    buffer puts them (one buffer, in reverse order, fc1 and fc2 interleaved: viewed in place, never moved); what it
+    does not serve is refused with the reason, and megatron-core's dispatchers stay: capacity (token drops),
+    biases, experts over several ranks, weights at irregular places in a larger buffer, fc1 and fc2 in opposite
+    orders."""
     from megatron_patch.inference import dynamic, moe_dropless
     from megatron_patch.models import build_model
     from tests.models import any_config
@@ -825,13 +858,42 @@ def test_moe_dropless_in_bf16_and_its_refusals(cpu_megatron):
     torch.manual_seed(0)
     model = build_model(any_config("mixtral"), impl="local", dtype=torch.bfloat16).eval()
     layers = dynamic.moe_layers(model)
-    x = torch.randn(33, 1, model.config.hidden_size, dtype=torch.bfloat16)
-    with torch.no_grad():
-        want = layers[0](x)[0].float()
-        with moe_dropless.dispatch(layers):
-            got = layers[0](x)[0].float()
-    assert (got - want).abs().max() <= 2 * 2 ** -8 * want.abs().max()
     layer = layers[0]
+    x = torch.randn(33, 1, model.config.hidden_size, dtype=torch.bfloat16)
+
+    def dropless_matches() -> bool:
+        with torch.no_grad():
+            want = layer(x)[0].float()
+            with moe_dropless.dispatch(layers):
+                got = layer(x)[0].float()
+        return bool((got - want).abs().max() <= 2 * 2 ** -8 * want.abs().max())
+
+    assert dropless_matches()
+    fc1, fc2 = moe_dropless.expert_weights(layer.experts)
+    size = fc1[0].numel() + fc2[0].numel() + 64  # (a gap of 64 elements after each parameter's pair)
+    bucket = torch.zeros(len(fc1) * size, dtype=torch.bfloat16)
+
+    def place(order: list[int]) -> None:  # expert i's fc2 then fc1 at slot order[i] of the bucket
+        for i, slot in enumerate(order):
+            for w, start in ((fc2[i], slot * size), (fc1[i], slot * size + fc2[i].numel())):
+                view = bucket[start: start + w.numel()].view(w.shape)
+                view.copy_(w.detach())
+                w.data = view
+
+    n = len(fc1)
+    place(list(range(n))[::-1])  # in reverse, as megatron-core's DDP fills its buckets
+    assert moe_dropless.stacked(fc1)[1] and moe_dropless.stacked(fc2)[1]
+    assert moe_dropless.refusal(layer) is None and dropless_matches()
+    assert all(w.untyped_storage().data_ptr() == bucket.untyped_storage().data_ptr() for w in fc1 + fc2)
+    place([1, 0, *range(2, n)])  # irregular
+    assert "irregular places" in moe_dropless.refusal(layer)
+    assert "MoE layer 0" in moe_dropless.refusals(layers)
+    place(list(range(n))[::-1])
+    for w in fc2:  # fc2 back in storages of their own (stacked in order), fc1 reversed in the bucket
+        w.data = w.detach().clone()
+    assert "opposite orders" in moe_dropless.refusal(layer)
+    for w in fc1:
+        w.data = w.detach().clone()
     cfg = layer.config
     cfg.moe_expert_capacity_factor = 1.0
     assert "moe_expert_capacity_factor" in moe_dropless.refusal(layer)
@@ -840,15 +902,7 @@ def test_moe_dropless_in_bf16_and_its_refusals(cpu_megatron):
     cfg.add_bias_linear, cfg.expert_model_parallel_size = False, 2
     assert "EP or expert TP" in moe_dropless.refusal(layer)
     cfg.expert_model_parallel_size = 1
-    assert moe_dropless.refusal(layer) is None
-    ws = moe_dropless.expert_weights(layer.experts)[0]
-    buffer = torch.zeros(len(ws) + 1, *ws[0].shape, dtype=ws[0].dtype)
-    for i, w in enumerate(ws):  # laid out in reverse, as a bucket of DDP's may hold them
-        buffer[len(ws) - i].copy_(w.detach())
-        w.data = buffer[len(ws) - i]
-    assert moe_dropless.stacked(ws) is None
-    assert "views into a larger buffer" in moe_dropless.refusal(layer)
-    assert "MoE layer 0" in moe_dropless.refusals(layers)
+    assert moe_dropless.refusal(layer) is None and dropless_matches()
 
 
 # (Bloom's tiny random model greedily picks the same tokens without the bias: the check that the bias matters runs
