@@ -1,7 +1,7 @@
 """GRPO's guards: a reward that is not a finite number is refused naming the prompt and sample (a NaN
 reward would write an all-NaN policy), a group of one (advantage always 0) is refused, --out is checked
 before any rollout (existing without --overwrite; no --out is warned about), and the exported policy's
-config states its dtype."""
+config states its dtype; an MoE actor's rollouts on the dropless MoE layers train as on megatron-core's."""
 
 import json
 import math
@@ -20,6 +20,10 @@ def text_reward(prompt: str, completion: str):
 
 def constant_reward(prompt: str, completion: str) -> float:
     return float(len(completion) % 3)
+
+
+def content_reward(prompt: str, completion: str) -> float:
+    return float(sum(map(ord, completion)) % 7)
 
 
 @pytest.fixture
@@ -165,3 +169,37 @@ def test_resume_equals_an_uninterrupted_run(cpu_megatron, tiny_lm, prompts, tmp_
     x, y = read_all(straight), read_all(resumed)
     assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
     assert any(not torch.equal(x[k], v) for k, v in read_all(tiny_lm).items())  # trained
+
+
+def test_moe_actor_rollouts_run_dropless_with_the_same_history(cpu_megatron, prompts, tmp_path, capsys,
+                                                               monkeypatch):
+    """GRPO with a small Mixtral actor: with `dynamic.MOE_DROPLESS` its rollouts run through the dropless MoE layers
+    (`inference/moe_dropless.py`, on the weights where the training wrappers keep them, between optimizer steps)
+    and two steps give the same history and the same exported weights, bit for bit, as megatron-core's
+    dispatchers (fp32 on a CPU: the same products and sums)."""
+    from megatron_patch.conversion.hf_io import copy_side_files, read_all
+    from megatron_patch.inference import dynamic, moe_dropless
+    from megatron_patch.tokenizer import TINY_TOKENIZER
+    from tests.models import any_config, hf_model, save_hf
+
+    actor = str(tmp_path / "mixtral")
+    save_hf(hf_model(any_config("mixtral"), 0), actor)
+    copy_side_files(TINY_TOKENIZER, actor, ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"])
+    calls = []
+    original = moe_dropless.DroplessDispatcher.dispatch_postprocess
+    monkeypatch.setattr(moe_dropless.DroplessDispatcher, "dispatch_postprocess",
+                        lambda self, *args: calls.append(1) or original(self, *args))
+    runs = {}
+    for dropless in (False, True):
+        monkeypatch.setattr(dynamic, "MOE_DROPLESS", dropless)
+        calls.clear()
+        out = str(tmp_path / f"policy-{dropless}")
+        assert _grpo(actor, prompts, "content_reward", "--steps", "2", "--out", out, "--lr", "3e-3") == 0
+        dynamic.release_engine()
+        runs[dropless] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["history"], read_all(out), \
+            len(calls)
+    assert runs[False][2] == 0 and runs[True][2] > 0
+    assert runs[True][0] == runs[False][0] and len({row["loss"] for row in runs[True][0]}) > 1
+    x, y = runs[False][1], runs[True][1]
+    assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+    assert any(not torch.equal(x[k], v) for k, v in read_all(actor).items())  # trained
