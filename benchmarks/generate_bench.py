@@ -200,6 +200,7 @@ def run_shape(a, shape: str, prompts: list[list[int]], timer: Timer) -> list[dic
     bound_ms = bytes_read_per_decode_step(hf) / (a.bandwidth_tb_s * 1e12) * 1e3
     rows = []
     tokenizer = _Ids()  # one object: the dynamic engine is reused while the tokenizer and plan stay (_Engines.get)
+    dropless = ", dropless MoE" if a.moe_dropless and moe_layers(model) else ""  # (the run's name)
     for n in a.requests:
         batch = prompts[:n]
         padded = max(len(p) for p in batch)
@@ -217,7 +218,6 @@ def run_shape(a, shape: str, prompts: list[list[int]], timer: Timer) -> list[dic
                                   pad_token_id=0, **kw)
             assert out.shape[1] == padded + new
 
-        dropless = ", dropless MoE" if a.moe_dropless and moe_layers(model) else ""
         runs = [(f"ours ({engine} engine{dropless if engine == 'dynamic' else ''})",
                  lambda new=a.new, engine=engine: ours(new, engine)) for engine in a.engines]
         if "hf" in a.hf:

@@ -119,3 +119,10 @@ def rope_reference(x: torch.Tensor, freqs: torch.Tensor, positions: torch.Tensor
     x1, x2, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
     return torch.cat([x1 * f[..., :half].cos() - x2 * f[..., :half].sin(),
                       x2 * f[..., half:].cos() + x1 * f[..., half:].sin(), rest], -1)
+
+
+def count_calls(monkeypatch, owner, name: str) -> list:
+    """`owner.name` wrapped (for the test) to append 1 to the returned list at each call."""
+    calls, original = [], getattr(owner, name)
+    monkeypatch.setattr(owner, name, lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs))
+    return calls

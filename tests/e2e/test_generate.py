@@ -17,6 +17,7 @@ import torch
 from megatron_patch.compat import async_scheduling_available
 from megatron_patch.convert import main as convert
 from megatron_patch.tokenizer import TINY_TOKENIZER
+from tests.helpers import count_calls
 from tests.models import hf_model, llama_config, save_hf
 
 PROMPTS = ["The interpreter", "A module is a file containing Python definitions and statements.", "def f(x):"]
@@ -795,10 +796,7 @@ def test_moe_layers_run_dropless_on_grouped_gemms_without_host_reads(variant, cp
     plan = dynamic.plan_engine(model, [[5, 6, 7]], 4, kv_cache_gb=0.01)
     assert plan.moe_dropless
     prompts = [[5, 6, 7], [9, 10, 11, 12]]
-    calls = []
-    original = moe_dropless.DroplessDispatcher.dispatch_postprocess
-    monkeypatch.setattr(moe_dropless.DroplessDispatcher, "dispatch_postprocess",
-                        lambda self, *args: calls.append(1) or original(self, *args))
+    calls = count_calls(monkeypatch, moe_dropless.DroplessDispatcher, "dispatch_postprocess")
     want = [_hf_greedy(c, p, 6) for p in prompts]
     for engine in ("dynamic", "static"):  # (the static engine: where `auto` keeps DeepSeek on a GPU)
         calls.clear()

@@ -180,15 +180,13 @@ def test_moe_actor_rollouts_run_dropless_with_the_same_history(cpu_megatron, pro
     from megatron_patch.conversion.hf_io import copy_side_files, read_all
     from megatron_patch.inference import dynamic, moe_dropless
     from megatron_patch.tokenizer import TINY_TOKENIZER
+    from tests.helpers import count_calls
     from tests.models import any_config, hf_model, save_hf
 
     actor = str(tmp_path / "mixtral")
     save_hf(hf_model(any_config("mixtral"), 0), actor)
     copy_side_files(TINY_TOKENIZER, actor, ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"])
-    calls = []
-    original = moe_dropless.DroplessDispatcher.dispatch_postprocess
-    monkeypatch.setattr(moe_dropless.DroplessDispatcher, "dispatch_postprocess",
-                        lambda self, *args: calls.append(1) or original(self, *args))
+    calls = count_calls(monkeypatch, moe_dropless.DroplessDispatcher, "dispatch_postprocess")
     runs = {}
     for dropless in (False, True):
         monkeypatch.setattr(dynamic, "MOE_DROPLESS", dropless)
