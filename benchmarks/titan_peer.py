@@ -9,7 +9,10 @@ would need the dataset and a tokenizer on a machine without network. Each optimi
 `Trainer.train_step` itself (gradient accumulation over the micro-batches, loss scaled by the step's token
 count, AMP context, gradient clipping, fused AdamW, LR schedule), timed here exactly as the HF rows are
 (CUDA-synchronised wall time per optimizer step, median over the second half, peak
-`torch.cuda.max_memory_allocated` after the trainer is built). The CLI would have needed the same two
+`torch.cuda.max_memory_allocated` after the trainer is built: `train_step` logs every step and torchtitan's log
+resets CUDA's peak statistics as it ends, so the peak is read before each of its resets, `keep_peaks`; before
+2026-12-05 it was read after the last one, i.e. only what the trainer held after its last step, its resident
+memory). The CLI would have needed the same two
 replacements (data, flavors) through `--experimental.custom_import`, and it reports its own tokens/s
 averaged over a log window with data loading and logging included: not the quantity the other rows
 measure. torchtitan's own log line (loss, tps, its MFU) is kept in the output for comparison.
@@ -137,6 +140,20 @@ def _placeholder_datasets() -> None:
     sys.modules.setdefault("datasets.distributed", dist)
 
 
+def keep_peaks(monitor, read) -> list:
+    """Make `monitor.reset_peak_stats()` (torchtitan's `DeviceMemoryMonitor`, which its `MetricsProcessor.log`
+    calls at the end of every logged step) first append `read()` (the peak so far) to the list returned, so
+    that the run's peak is the largest of them and the last `read()`."""
+    peaks, reset = [], monitor.reset_peak_stats
+
+    def reset_keeping_the_peak(*args, **kwargs):
+        peaks.append(read())
+        return reset(*args, **kwargs)
+
+    monitor.reset_peak_stats = reset_keeping_the_peak
+    return peaks
+
+
 def measure(s: dict, vocab: int, run: str, iters: int, micro_batches: int) -> dict:
     """Build torchtitan's trainer for one run and time `iters` optimizer steps (see the module docstring)."""
     if importlib.util.find_spec("datasets") is None:  # imported by its Llama-3 train spec for the C4 loader only
@@ -170,6 +187,8 @@ def measure(s: dict, vocab: int, run: str, iters: int, micro_batches: int) -> di
             batches = trainer.batch_generator(({"input": tokens[:, :-1]}, tokens[:, 1:]) for _ in itertools.count())
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
+            peaks = keep_peaks(trainer.metrics_processor.device_memory_monitor,
+                               torch.cuda.max_memory_allocated if cuda else (lambda: 0))
             for step in range(1, iters + 1):  # Trainer.train's loop, less checkpointing and profiling
                 trainer.step = step
                 trainer.gc_handler.run(step)
@@ -178,7 +197,7 @@ def measure(s: dict, vocab: int, run: str, iters: int, micro_batches: int) -> di
                 trainer.train_step(batches)
                 sync()
                 times.append(time.perf_counter() - t)
-            peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+            peak = max(peaks + [torch.cuda.max_memory_allocated()]) / 2**30 if cuda else None
             # after train_step (which zeroes the gradients first): weights, gradients, optimizer state
             resident = torch.cuda.memory_allocated() / 2**30 if cuda else None
         except Exception as e:  # e.g. out of memory or a compile failure: a row saying so

@@ -231,6 +231,39 @@ def test_torchtitan_row_fails_softly(tmp_path, monkeypatch, no_torchtitan_module
                                         "drives the 0.2.x Trainer (0.2.2 on torch 2.11)")
 
 
+def test_torchtitan_peak_survives_its_logs_resets():
+    """torchtitan 0.2.2's `MetricsProcessor.log` ends with `device_memory_monitor.reset_peak_stats()` and
+    `train_step` logs every step (`--metrics.log_freq 1`): a peak read after the steps is only what was allocated
+    since the last log, the trainer's resident memory (the row's 41.7 GiB = 16 bytes a parameter of 2.80 B).
+    `keep_peaks` reads the peak before each reset."""
+    import titan_peer
+
+    memory = {"now": 0, "peak": 0}
+
+    def allocate(n):
+        memory["now"] += n
+        memory["peak"] = max(memory["peak"], memory["now"])
+
+    class Monitor:  # torchtitan's DeviceMemoryMonitor.reset_peak_stats: torch.cuda.reset_peak_memory_stats
+        def reset_peak_stats(self):
+            memory["peak"] = memory["now"]
+
+    def steps(monitor):
+        allocate(40)  # weights, gradients, optimizer state: resident
+        for _ in range(3):  # train_step: activations come and go, then its log resets the peak
+            allocate(15)
+            allocate(-15)
+            monitor.reset_peak_stats()
+        return memory["peak"]
+
+    assert steps(Monitor()) == 40  # the defect: the peak of the last log's window, resident memory only
+    memory.update(now=0, peak=0)
+    monitor = Monitor()
+    peaks = titan_peer.keep_peaks(monitor, lambda: memory["peak"])
+    last = steps(monitor)
+    assert (peaks, max(peaks + [last])) == ([55, 55, 55], 55)
+
+
 def test_stage_wheels_without_names_is_one_error_line(tmp_path):
     """benchmarks/stage_wheels.sh needs what to stage (fa4, titan, lmeval or NAME==VER) and says so on one line,
     touching nothing, also in a copy of the tree without git (CI's checkout has no .git/info: the script wrote there,
