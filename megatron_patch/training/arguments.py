@@ -53,6 +53,11 @@ def add_patch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "from the data loader where Transformer Engine's causal kernels ignore it); benchmark: "
                         "also skip the per-step safety checks (NaN/Inf in loss and gradients, rerun validation); "
                         "none: Megatron's own defaults. A flag given on the command line always wins")
+    g.add_argument("--lean-cross-entropy", action="store_true",
+                   help="the loss's cross-entropy in two Triton kernels over the logits as they are (bf16), keeping "
+                        "no fp32 copy of the [tokens, vocabulary] logits (megatron-core's keeps one, 4 bytes a "
+                        "token a vocabulary entry: 3.9 GiB at seq 8192 and a 128k vocabulary); the same loss up to "
+                        "fp32 rounding; implies --cross-entropy-loss-fusion")
     g.add_argument("--model-class", choices=MODEL_CLASSES, default="gpt",
                    help="gpt: megatron-core's GPTModel; hybrid: its HybridModel (megatron-core >= 0.19), the same "
                         "model with attention and MLP as separate layers (--hybrid-layer-pattern comes from the "
@@ -143,6 +148,7 @@ def parse_args(argv: list[str] | None = None, extra_args_provider=None, indexed_
     apply_precision(args)
     # megatron prints the resulting arguments at start
     apply_throughput_profile(args, given, get_family(hf_config).config_kwargs(hf_config))
+    apply_lean_cross_entropy(args, given)
     if indexed_data:
         check_data_paths(args)
         if args.split is None and (args.data_path or args.data_args_path):
@@ -167,6 +173,17 @@ def parse_args(argv: list[str] | None = None, extra_args_provider=None, indexed_
     # resuming a run (a checkpoint in --load) wins over --load-hf
     args.resuming = bool(args.load) and os.path.isfile(os.path.join(args.load, TRACKER))
     return args, hf_config
+
+
+def apply_lean_cross_entropy(args: argparse.Namespace, given: set[str]) -> None:
+    """`--lean-cross-entropy` runs through megatron-core's fused cross-entropy call (the `lean_cross_entropy`
+    patch takes its place, `training.run`): it sets that fusion on, and refuses another implementation."""
+    if not args.lean_cross_entropy:
+        return
+    if "--cross-entropy-fusion-impl" in given and args.cross_entropy_fusion_impl != "native":
+        raise ValueError(f"--lean-cross-entropy takes the place of --cross-entropy-fusion-impl native, not "
+                         f"{args.cross_entropy_fusion_impl}")
+    args.cross_entropy_loss_fusion, args.cross_entropy_fusion_impl = True, "native"
 
 
 def apply_model_class(args: argparse.Namespace, hf_config: Any) -> None:

@@ -36,6 +36,8 @@ def run(argv: list[str] | None, datasets_provider, extra_args_provider=None, ind
     patches.apply("prebuilt_dataset_helpers")
     args, hf_config = parse_args(argv, extra_args_provider, indexed_data=indexed_data, prog=prog,
                                  description=description, adjust=adjust)
+    if args.lean_cross_entropy:
+        patches.apply("lean_cross_entropy")
     if model_config is not None:
         hf_config = model_config(hf_config)
     cfg = pretrain_cfg_container_from_args(args, None)
