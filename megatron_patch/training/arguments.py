@@ -49,15 +49,18 @@ def add_patch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "or fp32; checked against the machine before any GPU work")
     g.add_argument("--throughput-profile", choices=THROUGHPUT_PROFILES, default="default",
                    help="default: Megatron settings that make a step cheaper without changing the numbers beyond "
-                        "bf16 rounding (manual GC every 100 iterations, fused cross-entropy, no attention mask "
+                        "bf16 rounding (manual GC every 100 iterations, fused cross-entropy (--lean-cross-entropy), "
+                        "no attention mask "
                         "from the data loader where Transformer Engine's causal kernels ignore it); benchmark: "
                         "also skip the per-step safety checks (NaN/Inf in loss and gradients, rerun validation); "
                         "none: Megatron's own defaults. A flag given on the command line always wins")
-    g.add_argument("--lean-cross-entropy", action="store_true",
+    g.add_argument("--lean-cross-entropy", action=argparse.BooleanOptionalAction, default=False,
                    help="the loss's cross-entropy in two Triton kernels over the logits as they are (bf16), keeping "
                         "no fp32 copy of the [tokens, vocabulary] logits (megatron-core's keeps one, 4 bytes a "
                         "token a vocabulary entry: 3.9 GiB at seq 8192 and a 128k vocabulary); the same loss up to "
-                        "fp32 rounding; implies --cross-entropy-loss-fusion")
+                        "fp32 rounding; implies --cross-entropy-loss-fusion. On in the default and benchmark "
+                        "throughput profiles unless a cross-entropy flag is given; --no-lean-cross-entropy: "
+                        "megatron-core's own")
     g.add_argument("--model-class", choices=MODEL_CLASSES, default="gpt",
                    help="gpt: megatron-core's GPTModel; hybrid: its HybridModel (megatron-core >= 0.19), the same "
                         "model with attention and MLP as separate layers (--hybrid-layer-pattern comes from the "

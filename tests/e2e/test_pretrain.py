@@ -58,7 +58,8 @@ def _run(rank: int, argv: list[str]) -> dict:
 
 # the arguments --throughput-profile sets
 PROFILE_SETTINGS = ("manual_gc", "manual_gc_interval", "cross_entropy_loss_fusion", "cross_entropy_fusion_impl",
-                    "check_for_nan_in_loss_and_grad", "rerun_mode", "create_attention_mask_in_dataloader")
+                    "check_for_nan_in_loss_and_grad", "rerun_mode", "create_attention_mask_in_dataloader",
+                    "lean_cross_entropy")
 
 
 def _train(world: int, argv: list[str]) -> dict:
@@ -254,17 +255,19 @@ def test_blend_weights_and_prefixes_are_checked(corpus, tmp_path):
 def test_throughput_profiles_reach_megatron_and_train_the_same(corpus, tmp_path):
     """--throughput-profile none / default / benchmark: the settings reach Megatron's arguments (a flag
     given on the command line wins), and the losses stay those of Megatron's defaults. fp32 on CPU: the
-    fused cross-entropy sums in another order (5e-6 at first, 1.1e-4 by step 5 of a 3e-3 learning rate)."""
+    profiles' cross-entropy (`--lean-cross-entropy`) sums in another order."""
     runs = {}
     for profile in ("none", "default", "benchmark"):
         argv = _argv(corpus, str(tmp_path / profile / "ckpt"), "--train-iters", "5", "--throughput-profile", profile)
         runs[profile] = _train(1, argv)
     none, default, bench = (runs[p]["settings"] for p in ("none", "default", "benchmark"))
-    assert (none["manual_gc"], none["cross_entropy_loss_fusion"], none["check_for_nan_in_loss_and_grad"]) == \
-        (False, False, True)
+    assert (none["manual_gc"], none["cross_entropy_loss_fusion"], none["check_for_nan_in_loss_and_grad"],
+            none["lean_cross_entropy"]) == (False, False, True, False)
     assert (default["manual_gc"], default["manual_gc_interval"], default["cross_entropy_loss_fusion"],
             default["cross_entropy_fusion_impl"], default["check_for_nan_in_loss_and_grad"],
-            default["rerun_mode"]) == (True, 100, True, "native", True, "validate_results")
+            default["rerun_mode"], default["lean_cross_entropy"]) == (True, 100, True, "native", True,
+                                                                      "validate_results", True)
+    assert runs["default"]["lean_cross_entropy"] and not runs["none"]["lean_cross_entropy"]  # the patch, in place
     assert (bench["check_for_nan_in_loss_and_grad"], bench["rerun_mode"]) == (False, "disabled")
     # the local implementation reads the loader's attention mask: kept (only Transformer Engine drops it)
     assert default["create_attention_mask_in_dataloader"] is True
@@ -277,6 +280,16 @@ def test_throughput_profiles_reach_megatron_and_train_the_same(corpus, tmp_path)
     own = _train(1, argv)["settings"]
     assert (own["manual_gc"], own["manual_gc_interval"], own["rerun_mode"]) == (True, 0, "validate_results")
     assert own["check_for_nan_in_loss_and_grad"] is False  # the rest of the profile still applies
+    # a cross-entropy flag of the user's keeps megatron-core's (the profile's lean one stays out)
+    from argparse import Namespace
+
+    from megatron_patch.training.profiles import apply_throughput_profile
+
+    for flag in (["--no-lean-cross-entropy"], ["--cross-entropy-fusion-impl", "native"]):
+        args = Namespace(throughput_profile="default", transformer_impl="local", reset_attention_mask=False,
+                         lean_cross_entropy=False)
+        apply_throughput_profile(args, {flag[0]})
+        assert args.lean_cross_entropy is False and args.cross_entropy_loss_fusion is True, flag
 
 
 
