@@ -3,7 +3,7 @@ speed with CUDA graphs on and off, and (--profile) where a decode step's time go
 
     python benchmarks/engine_probe.py [--shape 1b] [--requests 1 32] [--graphs on off] [--sched legacy async] \\
         [--gemv on attn gemv off] [--sampling-sync on off] [--rope on|off] [--new 64] \\
-        [--moe-dropless] [--profile DIR [--profile-requests 1 32] [--profile-steps 6]]
+        [--moe-dispatch auto|dropless|padded] [--profile DIR [--profile-requests 1 32] [--profile-steps 6]]
     python benchmarks/engine_probe.py --shape tiny --device cpu --impl local --dtype fp32 --graphs off \\
         --requests 1 2 --new 4 --min-prompt 4 --max-prompt 12 --repeat 1          # the logic, on a CPU
 
@@ -134,7 +134,8 @@ def measure(a, model, prompts, graphs: bool, timer: Timer, bound_ms: float, seen
             dynamic.DECODE_ATTENTION)
         row["rope_kernel"] = dynamic.wanted(dynamic.DECODE_ROPE)
         row["sampling_sync"] = not dynamic.SAMPLING_NO_SYNC
-        row["moe_dropless"] = dynamic.runs_dropless(dynamic.moe_layers(model))
+        row["moe_dropless"] = dynamic.plan_engine(model, prompts, a.new, max_requests=len(prompts),
+                                                  cuda_graphs=graphs).moe_dropless
         timer.sync()
         t = time.perf_counter()
         out = call(model, prompts, a.new, graphs)  # builds the engine (and captures its graphs)
@@ -286,8 +287,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--rope", choices=["on", "off"], default="on",
                     help="every row: on = our in-place RoPE kernel (dynamic.DECODE_ROPE, a GPU only; the "
                          "library's default), off = megatron-core's angle gathers, TE's fused RoPE and the query copy")
-    ap.add_argument("--moe-dropless", action="store_true",
-                    help="MoE layers dropless on grouped GEMMs (dynamic.MOE_DROPLESS) in every row and profile")
+    ap.add_argument("--moe-dispatch", choices=["auto", "dropless", "padded"], default="auto",
+                    help="MoE layers in every row and profile: auto = the engine's choice (dynamic.MOE_DROPLESS, "
+                         "dynamic.dropless_pays), dropless = grouped GEMMs at every request count, padded = "
+                         "megatron-core's dispatchers (padded under CUDA graphs); rows carry `moe_dropless`")
     ap.add_argument("--profile", metavar="DIR", help="also write profiler traces and summaries here")
     ap.add_argument("--profile-requests", type=int, nargs="+", default=[1], help="requests of the profiled runs")
     ap.add_argument("--profile-steps", type=int, default=6, help="engine steps traced")
@@ -319,32 +322,30 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     defaults = (dynamic.ASYNC_SCHEDULING, dynamic.DECODE_GEMV, dynamic.DECODE_ATTENTION, dynamic.SAMPLING_NO_SYNC,
                 dynamic.DECODE_ROPE)
-    dropless = dynamic.MOE_DROPLESS
-    dynamic.MOE_DROPLESS = dropless or a.moe_dropless
-    for sched in a.sched:
-        for gemv in a.gemv:
-            for sync in a.sampling_sync:
-                for graphs in ([] if a.skip_rows else a.graphs):
-                    for n in a.requests:
-                        rows.append(measure(a, model, prompts[:n], graphs == "on", timer, bound_ms, seen, sched,
-                                            gemv, sync))
-                        print(json.dumps(rows[-1]), flush=True)
-    (dynamic.ASYNC_SCHEDULING, dynamic.DECODE_GEMV, dynamic.DECODE_ATTENTION, dynamic.SAMPLING_NO_SYNC,
-     dynamic.DECODE_ROPE) = defaults
-    if a.profile:
-        os.makedirs(a.profile, exist_ok=True)
-        set_kernels(a.gemv[0], a.sampling_sync[0], a.rope)
+    with dynamic.moe_dispatch(a.moe_dispatch):
         for sched in a.sched:
-            for n in a.profile_requests:
-                try:
-                    rows.append(profile(a, model, prompts[:n], a.graphs[0] == "on", sched))
-                except Exception as e:
-                    traceback.print_exc()
-                    print(json.dumps({"profile": n, "sched": sched, "error": f"{type(e).__name__}: {str(e)[:300]}"}),
-                          flush=True)
-    (dynamic.ASYNC_SCHEDULING, dynamic.DECODE_GEMV, dynamic.DECODE_ATTENTION, dynamic.SAMPLING_NO_SYNC,
-     dynamic.DECODE_ROPE) = defaults
-    dynamic.MOE_DROPLESS = dropless
+            for gemv in a.gemv:
+                for sync in a.sampling_sync:
+                    for graphs in ([] if a.skip_rows else a.graphs):
+                        for n in a.requests:
+                            rows.append(measure(a, model, prompts[:n], graphs == "on", timer, bound_ms, seen, sched,
+                                                gemv, sync))
+                            print(json.dumps(rows[-1]), flush=True)
+        (dynamic.ASYNC_SCHEDULING, dynamic.DECODE_GEMV, dynamic.DECODE_ATTENTION, dynamic.SAMPLING_NO_SYNC,
+         dynamic.DECODE_ROPE) = defaults
+        if a.profile:
+            os.makedirs(a.profile, exist_ok=True)
+            set_kernels(a.gemv[0], a.sampling_sync[0], a.rope)
+            for sched in a.sched:
+                for n in a.profile_requests:
+                    try:
+                        rows.append(profile(a, model, prompts[:n], a.graphs[0] == "on", sched))
+                    except Exception as e:
+                        traceback.print_exc()
+                        error = f"{type(e).__name__}: {str(e)[:300]}"
+                        print(json.dumps({"profile": n, "sched": sched, "error": error}), flush=True)
+        (dynamic.ASYNC_SCHEDULING, dynamic.DECODE_GEMV, dynamic.DECODE_ATTENTION, dynamic.SAMPLING_NO_SYNC,
+         dynamic.DECODE_ROPE) = defaults
     return rows
 
 

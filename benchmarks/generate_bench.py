@@ -10,8 +10,9 @@ inference engine (continuous batching, paged KV cache, CUDA graphs) and on its s
 Shapes: LLaMA-3 widths (`1b`: Llama-3.2-1B, hidden 2048, 16 layers, tied embeddings; `8b`: Llama-3.1-8B,
 hidden 4096, 32 layers), vocab 128,256; multi-latent attention at DeepSeek-V2-Lite's widths (`v2-lite`, 27
 layers, 64 experts, with a query latent); a mixture of experts at Mixtral-8x7B's widths with 8 of its 32 layers
-(`mixtral-8l`: CUDA graphs of its decode steps with `--cuda-graph-impl local`, `dynamic.MOE_GRAPHS` being off
-until measured; `--moe-dropless`: its MoE layers on grouped GEMMs, `dynamic.MOE_DROPLESS`); random bf16 weights
+(`mixtral-8l`; `--moe-dispatch`: the engine's own choice, `auto`, or its MoE layers always dropless on grouped
+GEMMs or always on megatron-core's dispatchers, padded under CUDA graphs; each row names the path it ran, from
+the engine's plan); random bf16 weights
 made by transformers and converted in memory. On a GPU the dynamic engine runs multi-latent attention only with
 `--mla-gpu` (`dynamic.MLA_ON_GPU`, off until measured).
 Requests: a JSONL file of prompts (`{"prompt_ids": [...]}`, random token ids, lengths uniform in
@@ -179,7 +180,7 @@ def run_shape(a, shape: str, prompts: list[list[int]], timer: Timer) -> list[dic
 
     from megatron_patch.conversion.engine import hf_to_megatron, load_rank_state_dict, make_plan
     from megatron_patch.conversion.hf_io import checkpoint_state_dict
-    from megatron_patch.inference import Sampling, generate
+    from megatron_patch.inference import Sampling, dynamic, generate
     from megatron_patch.inference.dynamic import moe_layers, release_engine
     from megatron_patch.models import Layout, build_model
     from megatron_patch.names import torch_dtype
@@ -200,7 +201,7 @@ def run_shape(a, shape: str, prompts: list[list[int]], timer: Timer) -> list[dic
     bound_ms = bytes_read_per_decode_step(hf) / (a.bandwidth_tb_s * 1e12) * 1e3
     rows = []
     tokenizer = _Ids()  # one object: the dynamic engine is reused while the tokenizer and plan stay (_Engines.get)
-    dropless = ", dropless MoE" if a.moe_dropless and moe_layers(model) else ""  # (the run's name)
+    moe = bool(moe_layers(model))
     for n in a.requests:
         batch = prompts[:n]
         padded = max(len(p) for p in batch)
@@ -218,7 +219,11 @@ def run_shape(a, shape: str, prompts: list[list[int]], timer: Timer) -> list[dic
                                   pad_token_id=0, **kw)
             assert out.shape[1] == padded + new
 
-        runs = [(f"ours ({engine} engine{dropless if engine == 'dynamic' else ''})",
+        # (an MoE model's dynamic row names the path the engine's plan takes at this many requests)
+        plan = dynamic.plan_engine(model, batch, a.new, max_requests=n, cuda_graphs=graphs) if moe else None
+        path = ("" if plan is None else ", dropless MoE" if plan.moe_dropless else
+                ", padded MoE" if plan.cuda_graphs else "")
+        runs = [(f"ours ({engine} engine{path if engine == 'dynamic' else ''})",
                  lambda new=a.new, engine=engine: ours(new, engine)) for engine in a.engines]
         if "hf" in a.hf:
             runs.append(("HF generate", hf_call))
@@ -311,9 +316,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--bandwidth-tb-s", type=float, default=4.8, help="memory bandwidth for the bound (H200: 4.8)")
     ap.add_argument("--mla-gpu", action="store_true",
                     help="multi-latent attention on the dynamic engine on a GPU (dynamic.MLA_ON_GPU: off by default)")
-    ap.add_argument("--moe-dropless", action="store_true",
-                    help="MoE layers dropless on grouped GEMMs on the dynamic engine (dynamic.MOE_DROPLESS: off by "
-                         "default); its rows read 'dropless MoE'")
+    ap.add_argument("--moe-dispatch", choices=["auto", "dropless", "padded"], default="auto",
+                    help="MoE layers: auto = the engine's choice (dynamic.MOE_DROPLESS, dynamic.dropless_pays); "
+                         "dropless = grouped GEMMs at every request count; padded = megatron-core's dispatchers "
+                         "(padded under CUDA graphs). Rows read 'dropless MoE' / 'padded MoE'")
     ap.add_argument("--out", help="also write the rows and versions here as JSON")
     a = ap.parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
@@ -335,23 +341,20 @@ def main(argv: list[str] | None = None) -> dict:
         prompts = read_prompts(path, vocab)
     if len(prompts) < max(a.requests):
         raise SystemExit(f"error: {path} has {len(prompts)} prompts, fewer than --requests {max(a.requests)}")
+    from megatron_patch.inference import dynamic
+
     if a.mla_gpu:
-        from megatron_patch.inference import dynamic
-
         dynamic.MLA_ON_GPU = True
-    if a.moe_dropless:
-        from megatron_patch.inference import dynamic
-
-        dynamic.MOE_DROPLESS = True
     info = versions()
     print(json.dumps(info), flush=True)
     timer = Timer(a.device, a.repeat)
     rows = []
-    for shape in a.shapes:
-        rows.extend(run_shape(a, shape, prompts, timer))
-        if a.device == "cuda":  # this shape's models are gone: free their memory for the next
-            gc.collect()
-            torch.cuda.empty_cache()
+    with dynamic.moe_dispatch(a.moe_dispatch):
+        for shape in a.shapes:
+            rows.extend(run_shape(a, shape, prompts, timer))
+            if a.device == "cuda":  # this shape's models are gone: free their memory for the next
+                gc.collect()
+                torch.cuda.empty_cache()
     lengths = [len(p) for p in prompts[:max(a.requests)]]
     print(f"\n{info['date']}, {info['gpu']}, {a.dtype}, --impl {a.impl}, attention: {info['attention']}; prompts "
           f"{min(lengths)}-{max(lengths)} tokens (mean {sum(lengths) / len(lengths):.0f}), {a.new} new tokens, "

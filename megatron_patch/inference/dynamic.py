@@ -77,16 +77,23 @@ MLA_ON_GPU: bool = False
 # async scheduling and without the RoPE kernel (the GPU test `test_mla_cuda_graphs_equal_eager`, which keeps the case).
 MLA_GRAPHS: bool = False
 # CUDA graphs of MoE layers' decode steps by default (`moe_graph_dispatch`: the all-to-all dispatcher padded to
-# capacity). Off until the GPU smoke has run them (`test_moe_on_the_dynamic_engine_equals_hf` turns it on; tested on
-# a CPU only so far, 2026-12-04); asked for (`cuda_graphs=True`, `--cuda-graph-impl local`) they run.
-MOE_GRAPHS: bool = False
+# capacity, or dropless below). On since the H200 smoke of 2026-12-05: a small Mixtral's graphs, padded and dropless,
+# gave its eager tokens, 5.6x / 7.2x faster than eager (`test_moe_on_the_dynamic_engine_equals_hf`); mixtral-8l
+# (8 experts top-2, 4096 wide) 1 request 6.5 ms a token padded, 3.8 dropless, HF 10.5 (docs/benchmarks.md).
+MOE_GRAPHS: bool = True
 # MoE layers dropless on the engine (`inference/moe_dropless.py`): every token to its k experts, each expert's rows
 # in two grouped GEMMs with device-side offsets, no host synchronisation; eager and graph steps alike, prefill
 # included, instead of megatron-core's dispatchers (a sync a layer, `SequentialMLP`'s experts one by one; under
 # graphs every expert padded to a row per token, `moe_graph_dispatch`). Where `moe_dropless.refusals` passes (one
-# rank holds every expert; bf16 on a GPU). Exact on a CPU (fp32 and bf16 layer outputs equal megatron-core's,
-# greedy tokens HF's); off until the GPU smoke has run it (2026-12-04).
-MOE_DROPLESS: bool = False
+# rank holds every expert; bf16 on a GPU), and under CUDA graphs where `dropless_pays`. On since the H200 smoke of
+# 2026-12-05 (its tokens = eager = megatron-core's dispatchers; exact on a CPU).
+MOE_DROPLESS: bool = True
+# Under CUDA graphs the padded path computes every expert (each a row per token) in dense GEMMs, the dropless one
+# only the experts that tokens chose, in grouped GEMMs that were slower per expert: mixtral-8l, 32 requests (every
+# expert chosen in every step) 1,566 ms dropless against 1,208 ms padded (128 new tokens, prefill included: 1.30x);
+# 1 request (2 of 8 experts) 3.78 against 6.50 ms a token. So dropless where the experts expected to be chosen in a
+# decode step of the engine's requests, as a share of all, times DROPLESS_COST stays below 1 (`dropless_pays`).
+DROPLESS_COST: float = 1.30
 
 
 def default_max_requests() -> int:
@@ -155,6 +162,36 @@ def runs_dropless(moe: list) -> bool:
     return bool(moe) and MOE_DROPLESS and moe_dropless.refusals(moe) is None
 
 
+MOE_DISPATCHES = ("auto", "dropless", "padded")
+
+
+@contextlib.contextmanager
+def moe_dispatch(kind: str) -> Iterator[None]:
+    """The engines' MoE path for a block (benchmarks): `auto` (the defaults: `MOE_DROPLESS`, `dropless_pays`),
+    `dropless` (wherever `moe_dropless.refusals` passes, at any request count) or `padded` (megatron-core's
+    dispatchers, padded under CUDA graphs)."""
+    global MOE_DROPLESS, DROPLESS_COST
+    saved = MOE_DROPLESS, DROPLESS_COST
+    if kind == "dropless":
+        MOE_DROPLESS, DROPLESS_COST = True, 0.0
+    elif kind == "padded":
+        MOE_DROPLESS = False
+    elif kind != "auto":
+        raise ValueError(f"MoE dispatch {kind!r}: one of {', '.join(MOE_DISPATCHES)}")
+    try:
+        yield
+    finally:
+        MOE_DROPLESS, DROPLESS_COST = saved
+
+
+def dropless_pays(config, requests: int) -> bool:
+    """Whether a CUDA-graph decode step of `requests` tokens runs faster dropless than padded (`DROPLESS_COST`):
+    with E experts and top-k routing, the share of experts that some token chooses is 1 - (1 - k/E)^requests
+    (independent choices)."""
+    share = 1 - (1 - config.moe_router_topk / config.num_moe_experts) ** requests
+    return share * DROPLESS_COST < 1
+
+
 def graphs_refused(model, latent: bool, moe: list) -> str | None:
     """Why the dynamic engine captures no CUDA graphs of `model` (None: it may): MoE layers (`moe`, its
     `moe_layers`) on a dispatcher `moe_graph_dispatch` cannot make capturable (the flex one), and multi-latent
@@ -192,7 +229,8 @@ def plan_engine(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, ma
     a budget that cannot hold the longest request is refused. `cuda_graphs` None: on a GPU, at PP = EP = 1, for
     models without multi-latent attention (graphs at PP > 1 are untested here; MoE layers are captured on the
     all-to-all dispatcher padded to capacity, `moe_graph_dispatch`, decode steps only, or dropless in every step
-    where `MOE_DROPLESS` is on and `moe_dropless.refusals` passes, by default while `MOE_GRAPHS` is on;
+    where `MOE_DROPLESS` is on, `moe_dropless.refusals` passes and `dropless_pays` at `max_requests` (without
+    graphs: wherever it is allowed), by default while `MOE_GRAPHS` is on;
     multi-latent attention is refused while `MLA_GRAPHS` is off)."""
     import torch
 
@@ -239,6 +277,9 @@ def plan_engine(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, ma
         raise ValueError("CUDA graphs need a GPU")
     if cuda_graphs and refused is not None:
         raise ValueError(refused)
+    if (dropless and cuda_graphs and not dropless_pays(moe[0].config, n)
+            and graphs_refused(model, latent, moe) is None):
+        dropless = False  # the padded graphs are the faster at this many requests
     from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
 
     from megatron_patch.models.modules.alibi import has_alibi

@@ -654,8 +654,10 @@ def test_moe_and_latent_attention_plan_their_cuda_graphs(variant, cpu_megatron, 
 
     _, model = _converted(variant)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(dynamic, "MOE_DROPLESS", False)  # the padded path (dropless: the next tests)
     assert model.config.num_moe_experts
-    # by default only once the GPU smoke has run them (dynamic.MOE_GRAPHS); asked for, they run
+    # by default since the H200 smoke of 2026-12-05 (dynamic.MOE_GRAPHS); with the switch off, only when asked for
+    monkeypatch.setattr(dynamic, "MOE_GRAPHS", False)
     assert not dynamic.plan_engine(model, [[5, 6, 7]], 4, kv_cache_gb=0.01).cuda_graphs
     if variant == "mixtral":
         assert dynamic.plan_engine(model, [[5, 6, 7]], 4, kv_cache_gb=0.01, cuda_graphs=True).cuda_graphs
@@ -809,6 +811,17 @@ def test_moe_layers_run_dropless_on_grouped_gemms_without_host_reads(variant, cp
         plan = dynamic.plan_engine(model, [[5, 6, 7]], 4, kv_cache_gb=0.01, cuda_graphs=True)
         assert plan.moe_dropless and plan.cuda_graphs
         assert plan.non_decode_graphs == (not patches.attends_in_torch(model.config.params_dtype))
+        # under graphs, dropless only where it pays (`dynamic.dropless_pays`: the share of experts chosen in a step
+        # of the engine's requests, times DROPLESS_COST, below 1): top-2 of 4 experts pays at 1 and 2 requests, not
+        # at 3 or 32 (padded then, decode-only graphs); without graphs, dropless at any count (no host read a layer)
+        config = dynamic.moe_layers(model)[0].config
+        assert (config.num_moe_experts, config.moe_router_topk) == (4, 2)
+        pays = [dynamic.dropless_pays(config, n) for n in (1, 2, 3, 32)]
+        assert pays == [True, True, False, False]  # shares 0.5, 0.75, 0.875, 1.0 times 1.3
+        many = [[5, 6, 7]] * 32
+        plan = dynamic.plan_engine(model, many, 4, kv_cache_gb=0.01, cuda_graphs=True)
+        assert plan.cuda_graphs and not plan.moe_dropless and not plan.non_decode_graphs
+        assert dynamic.plan_engine(model, many, 4, kv_cache_gb=0.01, cuda_graphs=False).moe_dropless
 
 
 def test_moe_dropless_views_a_distributed_optimizers_buffer_in_place(cpu_megatron):

@@ -77,7 +77,9 @@ def test_multi_latent_attention_shape_on_both_engines(tmp_path, cpu_megatron):
     result = _bench().main(["--shapes", "tiny-mla", "--device", "cpu", "--impl", "local", "--dtype", "fp32",
                             "--requests", "2", "--new", "3", "--min-prompt", "4", "--max-prompt", "70", "--repeat",
                             "1", "--hf", "hf", "--mla-gpu", "--prompts", str(tmp_path / "p.jsonl")])
-    assert [r["run"] for r in result["rows"]] == ["ours (dynamic engine)", "ours (static engine)", "HF generate"]
+    # (tiny-mla has MoE layers: dropless on the dynamic engine by default)
+    assert [r["run"] for r in result["rows"]] == ["ours (dynamic engine, dropless MoE)", "ours (static engine)",
+                                                  "HF generate"]
     assert all("skipped" not in r for r in result["rows"]), result["rows"]
     assert dynamic.MLA_ON_GPU
     dynamic.MLA_ON_GPU = False
@@ -113,12 +115,13 @@ def test_hf_static_compile_row_says_whether_it_compiled(tmp_path, cpu_megatron, 
     assert bench.hf_compiled(Compiled()) is False
 
 
-def test_engine_probe_runs_moe_layers_dropless_when_asked(cpu_megatron, monkeypatch):
-    """engine_probe.py --moe-dropless: a mixture-of-experts shape's rows run the dropless MoE layers (the row says
-    so); the switch is put back afterwards."""
+def test_engine_probe_runs_moe_layers_as_asked(cpu_megatron):
+    """engine_probe.py --moe-dispatch: a mixture-of-experts shape's rows run megatron-core's dispatchers (`padded`)
+    or the dropless MoE layers (`auto`, the library's default without graphs; `dropless`), and say which; the
+    switches are put back afterwards."""
     from megatron_patch.inference import dynamic
 
-    monkeypatch.setattr(dynamic, "MOE_DROPLESS", False)
+    defaults = dynamic.MOE_DROPLESS, dynamic.DROPLESS_COST
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     try:
         import engine_probe
@@ -127,10 +130,11 @@ def test_engine_probe_runs_moe_layers_dropless_when_asked(cpu_megatron, monkeypa
     args = ["--shape", "tiny-moe", "--device", "cpu", "--impl", "local", "--dtype", "fp32", "--graphs", "off",
             "--sampling-sync", "off", "--requests", "2", "--new", "6", "--min-prompt", "4", "--max-prompt", "12",
             "--repeat", "1"]
-    own, dropless = engine_probe.main(args), engine_probe.main([*args, "--moe-dropless"])
-    assert [r["moe_dropless"] for r in own + dropless] == [False, True]
-    assert all("error" not in r for r in own + dropless)
-    assert not dynamic.MOE_DROPLESS
+    rows = [r for kind in ("padded", "auto", "dropless")
+            for r in engine_probe.main([*args, "--moe-dispatch", kind])]
+    assert [r["moe_dropless"] for r in rows] == [False, True, True]
+    assert all("error" not in r for r in rows)
+    assert (dynamic.MOE_DROPLESS, dynamic.DROPLESS_COST) == defaults
 
 
 def test_engine_probe_at_the_tiny_shape_on_cpu(tmp_path, cpu_megatron, capsys):
@@ -225,20 +229,22 @@ def test_mixture_of_experts_shape_runs_its_rows(tmp_path, cpu_megatron):
     result = _bench().main(["--shapes", "tiny-moe", "--device", "cpu", "--impl", "local", "--dtype", "fp32",
                             "--requests", "2", "--new", "3", "--min-prompt", "4", "--max-prompt", "6", "--repeat", "1",
                             "--engines", "dynamic", "--hf", "hf", "--prompts", str(tmp_path / "p.jsonl")])
-    assert [r["run"] for r in result["rows"]] == ["ours (dynamic engine)", "HF generate"]
+    assert [r["run"] for r in result["rows"]] == ["ours (dynamic engine, dropless MoE)", "HF generate"]
     assert all("skipped" not in r for r in result["rows"]), result["rows"]
 
 
-def test_mixture_of_experts_rows_run_dropless_when_asked(tmp_path, cpu_megatron, monkeypatch):
-    """`--moe-dropless` switches the dynamic engine's MoE layers to the grouped GEMMs (`dynamic.MOE_DROPLESS`) and
-    names the row so; a dense shape's row keeps its name."""
+def test_mixture_of_experts_rows_name_their_path(tmp_path, cpu_megatron):
+    """`--moe-dispatch`: an MoE shape's dynamic row names the path the engine's plan takes (`auto` and `dropless`:
+    the dropless layers, which the plan takes without graphs at any count; `padded`: megatron-core's dispatchers,
+    no suffix without graphs); a dense shape's row keeps its name; the switches are put back."""
     from megatron_patch.inference import dynamic
 
-    monkeypatch.setattr(dynamic, "MOE_DROPLESS", False)
+    defaults = dynamic.MOE_DROPLESS, dynamic.DROPLESS_COST
     args = ["--device", "cpu", "--impl", "local", "--dtype", "fp32", "--requests", "2", "--new", "3",
             "--min-prompt", "4", "--max-prompt", "6", "--repeat", "1", "--engines", "dynamic", "--hf",
-            "--prompts", str(tmp_path / "p.jsonl"), "--moe-dropless"]
-    rows = _bench().main(["--shapes", "tiny-moe", "tiny", *args])["rows"]
-    assert [r["run"] for r in rows] == ["ours (dynamic engine, dropless MoE)", "ours (dynamic engine)"]
-    assert all("skipped" not in r for r in rows), rows
-    assert dynamic.MOE_DROPLESS
+            "--prompts", str(tmp_path / "p.jsonl")]
+    names = {kind: [r["run"] for r in _bench().main(["--shapes", "tiny-moe", "tiny", *args, "--moe-dispatch",
+                                                      kind])["rows"]] for kind in ("auto", "padded")}
+    assert names == {"auto": ["ours (dynamic engine, dropless MoE)", "ours (dynamic engine)"],
+                     "padded": ["ours (dynamic engine)", "ours (dynamic engine)"]}
+    assert (dynamic.MOE_DROPLESS, dynamic.DROPLESS_COST) == defaults
