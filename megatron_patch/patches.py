@@ -1003,7 +1003,8 @@ def _lean_cross_entropy() -> Callable[[], None] | None:
     peak). This binds the name to `training.cross_entropy.lean_vocab_parallel_cross_entropy` (same arguments, same
     loss up to fp32 rounding; it keeps the logits as they are and recomputes the softmax in the backward). Every
     caller of `compute_language_model_loss` (GPTModel, HybridModel, multi-token prediction) goes through it.
-    Applied by the training entry points when `--lean-cross-entropy` is given (`training.run`)."""
+    Applied by the training entry points when `--lean-cross-entropy` is on (`training.run`): given, or set by the
+    default and benchmark throughput profiles (`training.profiles`)."""
     try:
         from megatron.core.models.common.language_module import language_module
     except ImportError:

@@ -91,6 +91,11 @@ def _in_kernels(x: torch.Tensor) -> bool:
     return True
 
 
+def _block(vocab: int) -> int:
+    """The kernels' block: `BLOCK` entries, or the vocabulary rounded up to a power of two where smaller."""
+    return min(BLOCK, 1 << (vocab - 1).bit_length())
+
+
 def local_statistics(x: torch.Tensor, target: torch.Tensor, start: int) -> tuple[torch.Tensor, ...]:
     """Per row of x [n, V] (this rank's vocabulary slice, entries start .. start + V - 1): the maximum, the sum of
     exp(x - maximum) and x[target - start] (0 where the target is outside the slice), each fp32 [n]."""
@@ -100,8 +105,7 @@ def local_statistics(x: torch.Tensor, target: torch.Tensor, start: int) -> tuple
         return tuple(out)
     if _in_kernels(x):
         forward_kernel, _ = _kernels()
-        forward_kernel[(n,)](x, x.stride(0), target, *out, vocab, start,
-                             BLOCK=min(BLOCK, 1 << (vocab - 1).bit_length()), num_warps=8)
+        forward_kernel[(n,)](x, x.stride(0), target, *out, vocab, start, BLOCK=_block(vocab), num_warps=8)
         return tuple(out)
     maximum, sums, picked = out
     for lo in range(0, n, CHUNK_ROWS):
@@ -127,7 +131,7 @@ def softmax_gradient(x: torch.Tensor, target: torch.Tensor, start: int, maximum:
     if _in_kernels(x):
         _, backward_kernel = _kernels()
         backward_kernel[(n,)](x, x.stride(0), grad, grad.stride(0), target, maximum, sums, scale, vocab, start,
-                              BLOCK=min(BLOCK, 1 << (vocab - 1).bit_length()), num_warps=8)
+                              BLOCK=_block(vocab), num_warps=8)
         return grad
     for lo in range(0, n, CHUNK_ROWS):
         hi = min(lo + CHUNK_ROWS, n)
