@@ -18,15 +18,17 @@ import re
 import sys
 
 # first match wins: communication and attention kernels are named before anything they share words with;
-# PyTorch names its elementwise kernels `gpu_kernel_impl_nocast`: "nocast" is not a cast
+# PyTorch's own kernels (at::native) are elementwise work whatever their template arguments say: they are named
+# `gpu_kernel_impl_nocast` ("nocast" is not a cast) or, mixing dtypes, `...LoadWithCast...` (the fp32 += bf16
+# gradient adds: "fp8 cast" in the 2026-12-05 profiles, in bf16 too); norms that write fp8 are norms
 CATEGORIES = (
     ("communication", r"nccl|all_?reduce|all_?gather|reduce_?scatter"),
     ("attention", r"flash|fmha|fused_attn|attn|sdpa|softmax"),
     ("gemm", r"gemm|cutlass|xmma|nvjet|cublas|wgmma|matmul"),
     ("optimizer", r"adam|multi_tensor|optimizer"),
-    ("fp8 cast", r"(?<!no)cast|quantiz|amax|fp8|transpose"),
     ("norm", r"norm"),
     ("elementwise", r"elementwise|CatArray|at::native"),
+    ("fp8 cast", r"(?<!no)cast|quantiz|amax|fp8|transpose"),
 )
 
 

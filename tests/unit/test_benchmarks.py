@@ -83,6 +83,12 @@ def test_trace_summary_tells_torch_elementwise_kernels_from_casts():
     assert category("void at::native::(anonymous namespace)::CatArrayBatchedCopy_vectorized<OpaqueType<2u>>") == \
         "elementwise"
     assert category("void transformer_engine::cast_transpose_kernel<true, float, __nv_fp8_e4m3>") == "fp8 cast"
+    # a mixed-dtype add (fp32 main_grad += bf16 gradient) and a norm writing fp8 (2026-12-05's profiles)
+    assert category("void at::native::unrolled_elementwise_kernel<at::native::CUDAFunctor_add<float>, std::array<char*"
+                    ", 3ul>, 4, TrivialOffsetCalculator<2>, at::native::memory::LoadWithCast<2>, "
+                    "at::native::memory::StoreWithCast<1>>") == "elementwise"
+    assert category("void transformer_engine::normalization::rmsnorm_fwd_tuned_kernel<transformer_engine::"
+                    "normalization::Kernel_traits<__nv_bfloat16, __nv_bfloat16, __nv_fp8_e4m3, float>>") == "norm"
     assert category("void multi_tensor_apply_kernel<TensorListMetadata<4>, transformer_engine::multi_tensor_adam>") \
         == "optimizer"
 
