@@ -1014,3 +1014,89 @@ def _lean_cross_entropy() -> Callable[[], None] | None:
     from megatron_patch.training.cross_entropy import lean_vocab_parallel_cross_entropy
 
     return _swap([(language_module, "fused_vocab_parallel_cross_entropy", lean_vocab_parallel_cross_entropy)])
+
+
+@register("apex_free_wgrad_fusion", ">=0.18.2,<0.20")
+def _apex_free_wgrad_fusion() -> Callable[[], None] | None:
+    """Weight-gradient accumulation fusion for megatron-core's own linear layers without Apex
+    (`--wgrad-fusion-without-apex`).
+
+    `megatron/core/tensor_parallel/layers.py` (0.18.2 to 0.19.x) imports Apex's `fused_weight_gradient_mlp_cuda` at
+    import time, refuses `gradient_accumulation_fusion` in `ColumnParallelLinear` / `RowParallelLinear` when it is
+    missing (`_grad_accum_fusion_available`), and in the backward of
+    `LinearWithGradAccumulationAndAsyncCommunication` calls its `wgrad_gemm_accum_fp32` / `_fp16(total_input,
+    grad_output, weight.main_grad)` by that module-level name (`core/utils.py`'s deferred embedding wgrad imports it
+    by name). This binds the name to `training.wgrad.WgradAccumulation` (main_grad += dyᵀ·x in the GEMM), marks the
+    fusion available, and registers it as that module for the import by name. `VocabParallelEmbedding.forward`
+    looks the word embedding up through the module's `F` (`torch.nn.functional`; the module's only use of it):
+    bound to `training.wgrad.FUNCTIONAL`, whose `embedding` scatters the gradient's rows into `main_grad`. Not
+    applied where Apex is installed. Applied by the training entry points when `--wgrad-fusion-without-apex` is on
+    (`training.run`)."""
+    import importlib.machinery
+    import sys
+
+    name = "fused_weight_gradient_mlp_cuda"
+    if name not in sys.modules and importlib.util.find_spec(name) is not None:
+        return None  # Apex: megatron-core uses it itself
+    try:
+        from megatron.core.tensor_parallel import layers
+    except ImportError:
+        return None
+    if not hasattr(layers, "_grad_accum_fusion_available") or getattr(layers, "F", None) is not torch.nn.functional:
+        return None
+    from megatron_patch.training.wgrad import FUNCTIONAL, WgradAccumulation
+
+    module = types.ModuleType(name, "megatron_patch.training.wgrad.WgradAccumulation in place of Apex's extension")
+    module.__spec__ = importlib.machinery.ModuleSpec(name, None)
+    module.wgrad_gemm_accum_fp32 = WgradAccumulation.wgrad_gemm_accum_fp32
+    module.wgrad_gemm_accum_fp16 = WgradAccumulation.wgrad_gemm_accum_fp16
+    missing = object()
+    before = sys.modules.get(name, missing), getattr(layers, name, missing), layers._grad_accum_fusion_available
+    sys.modules[name] = module
+    layers.fused_weight_gradient_mlp_cuda, layers._grad_accum_fusion_available = module, True
+    layers.F = FUNCTIONAL
+
+    def undo() -> None:
+        layers.F = torch.nn.functional
+        in_sys, in_layers, available = before
+        if in_sys is missing:
+            sys.modules.pop(name, None)
+        else:
+            sys.modules[name] = in_sys
+        if in_layers is missing:
+            delattr(layers, name)
+        else:
+            layers.fused_weight_gradient_mlp_cuda = in_layers
+        layers._grad_accum_fusion_available = available
+
+    return undo
+
+
+@register("fp8_output_layer", ">=0.19,<0.20")
+def _fp8_output_layer() -> Callable[[], None] | None:
+    """The output layer's GEMMs in FP8 under any recipe (`--fp8-output-layer`), not only MXFP8.
+
+    megatron-core 0.19 builds the language model's output layer as `TELMHeadColumnParallelLinear` (Transformer
+    Engine's column-parallel linear, run under `get_fp8_context(config)`) where
+    `fp8_utils.is_mxfp8_output_proj_active(config)` holds: `config.fp8_output_proj`, fp8 on, and the recipe MXFP8
+    (Blackwell's); otherwise megatron-core's bf16 `ColumnParallelLinear` (`models/gpt/gpt_model.py`, which imports
+    the name, and the layer's own `__init__`, which imports it from `fp8_utils` when called). This binds both names
+    to a test without the recipe condition, so on Hopper the delayed, tensorwise and blockwise recipes run the
+    output layer in FP8 too (its three GEMMs were 22% of an 8B fp8 step in the profile of 2026-12-05).
+    `TransformerConfig.__post_init__` refuses `fp8_output_proj` with another recipe, so `training.model` sets the
+    field on the built config. Applied by the training entry points when `--fp8-output-layer` is on."""
+    try:
+        from megatron.core import fp8_utils
+        from megatron.core.models.gpt import gpt_model
+    except ImportError:
+        return None
+    if not (hasattr(fp8_utils, "is_mxfp8_output_proj_active") and hasattr(gpt_model, "is_mxfp8_output_proj_active")
+            and hasattr(gpt_model, "TELMHeadColumnParallelLinear")):
+        return None
+
+    def output_proj_in_fp8(config) -> bool:
+        return bool(getattr(fp8_utils, "HAVE_TE", False) and getattr(config, "fp8_output_proj", False)
+                    and getattr(config, "fp8", None))
+
+    return _swap([(fp8_utils, "is_mxfp8_output_proj_active", output_proj_in_fp8),
+                  (gpt_model, "is_mxfp8_output_proj_active", output_proj_in_fp8)])

@@ -61,6 +61,17 @@ def add_patch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "fp32 rounding; implies --cross-entropy-loss-fusion. On in the default and benchmark "
                         "throughput profiles unless a cross-entropy flag is given; --no-lean-cross-entropy: "
                         "megatron-core's own")
+    g.add_argument("--wgrad-fusion-without-apex", action=argparse.BooleanOptionalAction, default=False,
+                   help="with --gradient-accumulation-fusion (Megatron's default) and no Apex, megatron-core's own "
+                        "linear layers (the output layer; every layer under --transformer-impl local) accumulate "
+                        "their weight gradients into the fp32 main_grad inside the GEMM (Transformer Engine's "
+                        "cuBLAS call), as Transformer Engine's layers do, instead of a bf16 gradient and an add "
+                        "(megatron-core needs Apex's extension for that)")
+    g.add_argument("--fp8-output-layer", action=argparse.BooleanOptionalAction, default=False,
+                   help="with --precision fp8, the output layer's GEMMs (logits, their input gradient and the "
+                        "weight gradient) in FP8 too, through Transformer Engine under the run's recipe "
+                        "(megatron-core >= 0.19 does it for MXFP8 only; otherwise it stays bf16); needs untied "
+                        "embeddings and --model-class gpt; an accuracy trade: compare the losses")
     g.add_argument("--model-class", choices=MODEL_CLASSES, default="gpt",
                    help="gpt: megatron-core's GPTModel; hybrid: its HybridModel (megatron-core >= 0.19), the same "
                         "model with attention and MLP as separate layers (--hybrid-layer-pattern comes from the "
@@ -152,6 +163,7 @@ def parse_args(argv: list[str] | None = None, extra_args_provider=None, indexed_
     # megatron prints the resulting arguments at start
     apply_throughput_profile(args, given, get_family(hf_config).config_kwargs(hf_config))
     apply_lean_cross_entropy(args, given)
+    check_fp8_output_layer(args)
     if indexed_data:
         check_data_paths(args)
         if args.split is None and (args.data_path or args.data_args_path):
@@ -187,6 +199,20 @@ def apply_lean_cross_entropy(args: argparse.Namespace, given: set[str]) -> None:
         raise ValueError(f"--lean-cross-entropy takes the place of --cross-entropy-fusion-impl native, not "
                          f"{args.cross_entropy_fusion_impl}")
     args.cross_entropy_loss_fusion, args.cross_entropy_fusion_impl = True, "native"
+
+
+def check_fp8_output_layer(args: argparse.Namespace) -> None:
+    """`--fp8-output-layer` needs fp8 training (Transformer Engine), GPTModel and an output layer of its own:
+    Transformer Engine's output layer takes no weight from the embedding at run time."""
+    if not args.fp8_output_layer:
+        return
+    if not getattr(args, "fp8", None):
+        raise ValueError("--fp8-output-layer needs --precision fp8")
+    if getattr(args, "model_class", "gpt") != "gpt":
+        raise ValueError(f"--fp8-output-layer needs --model-class gpt, not {args.model_class}")
+    if not args.untie_embeddings_and_output_weights:
+        raise ValueError("--fp8-output-layer needs untied embeddings: this model's output layer shares the word "
+                         "embedding's weight (tie_word_embeddings in its HF config)")
 
 
 def apply_model_class(args: argparse.Namespace, hf_config: Any) -> None:

@@ -62,6 +62,8 @@ def select_device(args: argparse.Namespace, given: set[str]) -> None:
                              "over gloo, in fp32, bf16 or fp16, without Transformer Engine, fp8, sequence "
                              "parallelism or the distributed optimizer)")
     for key, value in _CPU_VALUES.items():
+        if key == "gradient_accumulation_fusion" and getattr(args, "wgrad_fusion_without_apex", False):
+            continue  # ours runs on a CPU too (training.wgrad), in place of Apex's CUDA kernel
         setattr(args, key, value)
     if "--num-workers" not in given:
         args.num_workers = 0  # data-loader processes would compete with training for the cores

@@ -25,9 +25,14 @@ def transformer_config_from_args(args, hf_config: Any, family: ModelFamily | Non
     fields["num_query_groups"] = shapes.num_query_groups
     fields["hidden_dropout"], fields["attention_dropout"] = args.hidden_dropout, args.attention_dropout
     # megatron's own (non-TE) linear layers fuse weight-gradient accumulation only through Apex's
-    # extension; without it they accumulate the ordinary way and TE's layers fuse on their own (below)
+    # extension, or ours in its place (`--wgrad-fusion-without-apex`: the `apex_free_wgrad_fusion` patch registers
+    # it under Apex's name); without either they accumulate the ordinary way and TE's layers fuse on their own (below)
     fields["gradient_accumulation_fusion"] = args.gradient_accumulation_fusion and _apex_wgrad_available()
-    return family.config_class()(**fields)  # MLA families need MLATransformerConfig
+    config = family.config_class()(**fields)  # MLA families need MLATransformerConfig
+    if getattr(args, "fp8_output_layer", False):
+        # after __post_init__, which allows it with MXFP8 only (the `fp8_output_layer` patch lifts that in the build)
+        config.fp8_output_proj = True
+    return config
 
 
 def _apex_wgrad_available() -> bool:
@@ -90,6 +95,10 @@ def make_model_provider(hf_config: Any):
                       fp16_lm_cross_entropy=args.fp16_lm_cross_entropy, parallel_output=True,
                       **({"vp_stage": vp_stage} if vp_stage is not None else {}))
         fuse_te_wgrad(model, args.gradient_accumulation_fusion)
+        if getattr(args, "fp8_output_layer", False) and post_process and \
+                type(model.output_layer).__name__ != "TELMHeadColumnParallelLinear":
+            raise ValueError(f"--fp8-output-layer: megatron-core built {type(model.output_layer).__name__} as the "
+                             "output layer, not Transformer Engine's TELMHeadColumnParallelLinear")
         lora = getattr(args, "lora", False)
         if args.load_hf and (not args.resuming or lora):  # a LoRA checkpoint holds the adapters, not the base
             load_hf_weights(model, args.load_hf, hf_config, args, vp_stage)

@@ -41,6 +41,20 @@ def _run(rank: int, argv: list[str]) -> dict:
         return batch
 
     gpt.loss_func, gpt.get_batch = record_loss, record_batch
+    from megatron_patch.training import wgrad
+
+    fused, accumulate, scatter = [], wgrad.WgradAccumulation.wgrad_gemm_accum_fp32, wgrad.scatter_into_main_grad
+
+    def record_fused(total_input, grad_output, main_grad):
+        fused.append(tuple(main_grad.shape))
+        accumulate(total_input, grad_output, main_grad)
+
+    def record_scatter(main_grad, ids, grad):
+        fused.append(("embedding", *main_grad.shape))
+        scatter(main_grad, ids, grad)
+
+    wgrad.WgradAccumulation.wgrad_gemm_accum_fp32 = staticmethod(record_fused)
+    wgrad.scatter_into_main_grad = record_scatter
     with contextlib.redirect_stdout(io.StringIO()):
         try:
             assert main(argv) == 0
@@ -53,7 +67,7 @@ def _run(rank: int, argv: list[str]) -> dict:
 
     settings = {k: getattr(get_args(), k) for k in PROFILE_SETTINGS}
     return {"losses": losses, "first_batch": batches[0] if batches else None, "settings": settings,
-            "lean_cross_entropy": patches.is_active("lean_cross_entropy")}
+            "lean_cross_entropy": patches.is_active("lean_cross_entropy"), "wgrad_fused": fused}
 
 
 # the arguments --throughput-profile sets
@@ -214,6 +228,8 @@ def test_bad_input_is_refused_before_training(corpus, tmp_path):
         "fp8 on the CPU": (_argv(corpus, str(tmp_path / "c"), "--precision", "fp8"),
                            "--precision fp8 cannot run on the CPU"),
         "architecture conflict": (_argv(corpus, str(tmp_path / "c"), "--num-layers", "7"), "--num-layers 7 conflicts"),
+        "fp8 output layer without fp8": (_argv(corpus, str(tmp_path / "c"), "--fp8-output-layer"),
+                                         "--fp8-output-layer needs --precision fp8"),
         "no architecture": (_argv(corpus, str(tmp_path / "c"), model=()), "no model architecture"),
         "vocab mismatch": (_argv(corpus, str(tmp_path / "c"), "--tokenizer-model", TINY_TOKENIZER,
                                  model=("--hf-config", str(tmp_path / "small.json"))),
@@ -316,3 +332,26 @@ def test_lean_cross_entropy_trains_like_megatrons(corpus, tmp_path):
     te = Namespace(lean_cross_entropy=True, cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="te")
     with pytest.raises(ValueError, match="--lean-cross-entropy takes the place of --cross-entropy-fusion-impl native"):
         apply_lean_cross_entropy(te, {"--lean-cross-entropy", "--cross-entropy-fusion-impl"})
+
+
+def test_wgrad_fusion_without_apex_trains_like_megatrons(corpus, tmp_path):
+    """--wgrad-fusion-without-apex: megatron-core's own linear layers (here, `--transformer-impl local`, all of them
+    and the output layer) accumulate their weight gradients into main_grad through `training.wgrad` in place of
+    Apex's extension, the word embedding scatters its rows into main_grad, and 5 iterations at TP=1 and TP=2 give
+    the losses of the unfused run of the same layout within fp32 rounding (the same products summed in another
+    order). Off, nothing goes through it."""
+    runs = {}
+    for tp in (1, 2):
+        for name, extra in (("plain", []), ("fused", ["--wgrad-fusion-without-apex"])):
+            runs[name, tp] = _train(tp, _argv(corpus, str(tmp_path / f"{name}{tp}" / "ckpt"), "--train-iters", "5",
+                                              "--throughput-profile", "none", "--tensor-model-parallel-size",
+                                              str(tp), *extra))
+        plain, fused = runs["plain", tp], runs["fused", tp]
+        assert plain["wgrad_fused"] == []
+        # in each of 10 micro-batches: every linear layer (4 layers x 4 + the output layer) and the word embedding
+        gemms = [shape for shape in fused["wgrad_fused"] if shape[0] != "embedding"]
+        assert len(gemms) == 10 * (4 * 4 + 1), (tp, len(gemms))
+        assert any(rows * tp >= 1000 and cols == 64 for rows, cols in gemms)  # the output layer's
+        assert len(fused["wgrad_fused"]) - len(gemms) == 10, fused["wgrad_fused"]
+        diffs = [abs(a - b) for a, b in zip(plain["losses"], fused["losses"])]
+        assert len(diffs) == 10 and max(diffs) <= 1e-5, (tp, diffs)

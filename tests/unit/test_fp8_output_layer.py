@@ -1,0 +1,47 @@
+"""`--fp8-output-layer`: what it needs (refused one line each before any model is built) and the
+`fp8_output_layer` patch's gate in megatron-core >= 0.19 (the GPU run: tests/gpu/test_paths.py
+`test_fp8_output_layer_and_wgrad_fusion_train_like_the_default`)."""
+
+from argparse import Namespace
+
+import pytest
+
+from megatron_patch import compat, patches
+from megatron_patch.training.arguments import check_fp8_output_layer
+
+
+def _args(**over):
+    return Namespace(**{"fp8_output_layer": True, "fp8": "hybrid", "model_class": "gpt",
+                        "untie_embeddings_and_output_weights": True, **over})
+
+
+@pytest.mark.parametrize("over, message", [
+    ({"fp8": None}, "--fp8-output-layer needs --precision fp8"),
+    ({"model_class": "hybrid"}, "--fp8-output-layer needs --model-class gpt, not hybrid"),
+    ({"untie_embeddings_and_output_weights": False}, "--fp8-output-layer needs untied embeddings"),
+])
+def test_what_it_needs(over, message):
+    with pytest.raises(ValueError, match=message):
+        check_fp8_output_layer(_args(**over))
+    check_fp8_output_layer(_args())  # fp8, GPTModel, an output layer of its own: accepted
+    check_fp8_output_layer(_args(fp8_output_layer=False, **over))  # off: nothing is checked
+
+
+def test_the_patch_lifts_the_mxfp8_condition(monkeypatch):
+    """megatron-core builds Transformer Engine's output layer where `is_mxfp8_output_proj_active(config)`: without
+    the patch only for the MXFP8 recipe; with it for any fp8 recipe where the config asks (and TE is there)."""
+    if compat.megatron_core_version() not in patches.registry()["fp8_output_layer"].versions:
+        pytest.skip("megatron-core < 0.19 has no Transformer Engine output layer")
+    from megatron.core import fp8_utils
+    from megatron.core.models.gpt import gpt_model
+
+    monkeypatch.setattr(fp8_utils, "HAVE_TE", True)
+    delayed = Namespace(fp8_output_proj=True, fp8="hybrid", fp8_recipe="delayed")
+    assert gpt_model.is_mxfp8_output_proj_active(delayed) is False
+    with patches.applied("fp8_output_layer") as active:
+        assert active
+        assert gpt_model.is_mxfp8_output_proj_active(delayed) is True
+        assert fp8_utils.is_mxfp8_output_proj_active(delayed) is True  # the layer's own check reads this one
+        assert gpt_model.is_mxfp8_output_proj_active(Namespace(fp8_output_proj=False, fp8="hybrid")) is False
+        assert gpt_model.is_mxfp8_output_proj_active(Namespace(fp8_output_proj=True, fp8=None)) is False
+    assert gpt_model.is_mxfp8_output_proj_active(delayed) is False
