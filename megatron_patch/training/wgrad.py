@@ -23,6 +23,8 @@ The `apex_free_wgrad_fusion` patch binds both into megatron-core's `tensor_paral
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -31,7 +33,11 @@ def _te_general_gemm():
         from transformer_engine.pytorch.cpp_extensions import general_gemm
     except ImportError:
         return None
-    return general_gemm
+    try:  # Transformer Engine releases before get_workspace left the module take the cuBLAS workspace as an argument
+        from transformer_engine.pytorch.module.base import get_workspace
+    except ImportError:
+        return general_gemm
+    return functools.partial(general_gemm, workspace=get_workspace())
 
 
 def accumulate(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
