@@ -6,8 +6,11 @@
 GPU kernels are grouped by name (GEMM, attention, FP8 casts, norms, communication, optimizer, PyTorch's
 elementwise kernels (unfused activations, adds, copies, concatenations), other) and
 reported as milliseconds and shares of the traced window, with each group's five costliest kernels (name cut
-at 120 characters, ms, launches) to say what a group is made of; `idle` is the part of the window in which no
-kernel ran (the GPU waiting for the host: launch gaps, synchronisation). One JSON object on stdout."""
+at 120 characters, ms, launches) to say what a group is made of, and, where the trace names the host operator
+that launched each kernel, the five costliest operators (with their input shapes where the profiler recorded
+them: `--pytorch-profiler-collect-shapes`, which train_bench.py's `--trace` passes) to say whose kernels they are;
+`idle` is the part of the window in which no kernel ran (the GPU waiting for the host: launch gaps,
+synchronisation). One JSON object on stdout."""
 
 from __future__ import annotations
 
@@ -32,12 +35,21 @@ CATEGORIES = (
 )
 
 
-def _events(path: str) -> list[dict]:
+def _events(path: str) -> tuple[list[dict], dict[int, str]]:
+    """The trace's GPU kernel (and copy) events, and the host operators by their "External id" (the id a kernel
+    carries of the operator that launched it) as `name [input dims]` where the trace recorded shapes."""
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
         trace = json.load(f)
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    return [e for e in events if e.get("ph") == "X" and str(e.get("cat", "")).lower() in ("kernel", "gpu_memcpy")]
+    kernels = [e for e in events if e.get("ph") == "X" and str(e.get("cat", "")).lower() in ("kernel", "gpu_memcpy")]
+    ops = {}
+    for e in events:
+        args = e.get("args") or {}
+        if e.get("ph") == "X" and str(e.get("cat", "")).lower() == "cpu_op" and "External id" in args:
+            dims = [d for d in args.get("Input Dims", []) if d]
+            ops[args["External id"]] = e.get("name", "") + (f" {dims}" if dims else "")
+    return kernels, ops
 
 
 def category(name: str) -> str:
@@ -47,9 +59,11 @@ def category(name: str) -> str:
     return "other"
 
 
-def summarise(kernels: list[dict]) -> dict:
-    """{"window_ms", "categories": {name: {"ms", "share", "top"}}, "idle_ms", "idle_share"} of kernel events;
-    "top": the category's five costliest kernel names as [name, ms, launches]."""
+def summarise(kernels: list[dict], ops: dict[int, str] | None = None) -> dict:
+    """{"window_ms", "categories": {name: {"ms", "share", "top"[, "ops"]}}, "idle_ms", "idle_share"} of kernel
+    events; "top": the category's five costliest kernel names as [name, ms, launches]; "ops", where `ops` (host
+    operators by External id) names the launching operator of its kernels: the five costliest of those operators
+    as [`name [input dims]` (cut at 160 characters), ms, launches]."""
     if not kernels:
         raise ValueError("no GPU kernel events in the trace")
     start = min(k["ts"] for k in kernels)
@@ -57,6 +71,7 @@ def summarise(kernels: list[dict]) -> dict:
     window = end - start
     totals: dict[str, float] = {}
     by_name: dict[str, dict[str, list[float]]] = {}
+    by_op: dict[str, dict[str, list[float]]] = {}
     for k in kernels:
         name = k.get("name", "")
         label = category(name)
@@ -64,16 +79,24 @@ def summarise(kernels: list[dict]) -> dict:
         entry = by_name.setdefault(label, {}).setdefault(name[:120], [0.0, 0])
         entry[0] += k["dur"]
         entry[1] += 1
+        op = (ops or {}).get((k.get("args") or {}).get("External id"))
+        if op:
+            entry = by_op.setdefault(label, {}).setdefault(op[:160], [0.0, 0])
+            entry[0] += k["dur"]
+            entry[1] += 1
     busy, reach = 0.0, start  # union of the kernel intervals (streams overlap)
     for k in sorted(kernels, key=lambda k: k["ts"]):
         begin, finish = max(k["ts"], reach), k["ts"] + k["dur"]
         if finish > begin:
             busy += finish - begin
             reach = finish
+    def costliest(entries: dict[str, list[float]]) -> list[list]:
+        return [[n, round(d / 1e3, 3), c] for n, (d, c) in sorted(entries.items(), key=lambda kv: -kv[1][0])[:5]]
+
     return {"window_ms": round(window / 1e3, 3),
             "categories": {label: {"ms": round(us / 1e3, 3), "share": round(us / window, 4),
-                                   "top": [[n, round(d / 1e3, 3), c] for n, (d, c) in
-                                           sorted(by_name[label].items(), key=lambda kv: -kv[1][0])[:5]]}
+                                   "top": costliest(by_name[label]),
+                                   **({"ops": costliest(by_op[label])} if label in by_op else {})}
                            for label, us in sorted(totals.items(), key=lambda kv: -kv[1])},
             "idle_ms": round((window - busy) / 1e3, 3), "idle_share": round((window - busy) / window, 4)}
 
@@ -85,7 +108,7 @@ def summarise_folder(path: str) -> dict:
         if n.endswith((".json", ".json.gz"))]
     if not files:
         raise ValueError(f"no trace (.json / .json.gz) under {path}")
-    return summarise(_events(max(files, key=os.path.getsize)))
+    return summarise(*_events(max(files, key=os.path.getsize)))
 
 
 if __name__ == "__main__":

@@ -219,7 +219,7 @@ def pretrain_command(gpus: int, model: list[str], seq: int, mbs: int, global_bat
            *device, "--make-vocab-size-divisible-by", "128", *extra]
     if trace_dir:  # megatron-core 0.19 writes the trace beside the TensorBoard folder (../torch_profile), 0.18 in it
         cmd += ["--profile", "--use-pytorch-profiler", "--profile-step-start", "6", "--profile-step-end", "8",
-                "--tensorboard-dir", os.path.join(trace_dir, "tensorboard")]
+                "--pytorch-profiler-collect-shapes", "--tensorboard-dir", os.path.join(trace_dir, "tensorboard")]
     return cmd, run_env(env, cpu)
 
 

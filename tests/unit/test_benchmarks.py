@@ -69,6 +69,31 @@ def test_trace_summary_groups_kernels_and_finds_idle_time(tmp_path):
     assert {k: v["ms"] for k, v in out["categories"].items()} == {
         "gemm": 0.15, "communication": 0.1, "optimizer": 0.1, "attention": 0.05}
     assert out["categories"]["gemm"]["top"] == [["sm90_xmma_gemm_bf16", 0.15, 1]]
+    assert "ops" not in out["categories"]["gemm"]  # kernels without a launching operator's id
+
+
+def test_trace_summary_names_the_operators_that_launched_the_kernels(tmp_path):
+    """Kernels carry the "External id" of the host operator that launched them: each group lists its costliest
+    operators with the input shapes the profiler recorded (what an elementwise add is adding, e.g.)."""
+    from trace_summary import summarise_folder
+
+    add = "void at::native::unrolled_elementwise_kernel<at::native::CUDAFunctor_add<float>, LoadWithCast<2>>"
+    events = [
+        {"ph": "X", "cat": "cpu_op", "name": "aten::add_", "ts": 0, "dur": 10,
+         "args": {"External id": 7, "Input Dims": [[128256, 4096], [128256, 4096], []]}},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::add_", "ts": 20, "dur": 10,
+         "args": {"External id": 8, "Input Dims": [[4096], [4096], []]}},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 40, "dur": 10, "args": {"External id": 9}},
+        {"ph": "X", "cat": "kernel", "name": add, "ts": 0, "dur": 300, "args": {"External id": 7}},
+        {"ph": "X", "cat": "kernel", "name": add, "ts": 300, "dur": 200, "args": {"External id": 7}},
+        {"ph": "X", "cat": "kernel", "name": add, "ts": 500, "dur": 5, "args": {"External id": 8}},
+        {"ph": "X", "cat": "kernel", "name": "nvjet_sm90_tst", "ts": 505, "dur": 95, "args": {"External id": 9}},
+    ]
+    (tmp_path / "rank0.pt.trace.json").write_text(json.dumps({"traceEvents": events}))
+    cats = summarise_folder(str(tmp_path))["categories"]
+    assert cats["elementwise"]["ops"] == [["aten::add_ [[128256, 4096], [128256, 4096]]", 0.5, 2],
+                                          ["aten::add_ [[4096], [4096]]", 0.005, 1]]
+    assert cats["gemm"]["ops"] == [["aten::mm", 0.095, 1]]
 
 
 def test_trace_summary_tells_torch_elementwise_kernels_from_casts():
