@@ -234,7 +234,8 @@ def profile(a, model, prompts, graphs: bool, sched: str = "legacy") -> dict:
             del engine.step_modern
     engine_steps, functions = host_functions(a, model, prompts, graphs, engine)
     dynamic.release_engine()
-    kernels = [k for k in _events(path) if k.get("dur", 0) > 0]
+    kernels, ops = _events(path)
+    kernels = [k for k in kernels if k.get("dur", 0) > 0]
     with open(path) as f:
         steps = [e["dur"] for e in json.load(f)["traceEvents"] if str(e.get("name", "")).startswith("ProfilerStep#")]
     with open(path, "rb") as f, gzip.open(path + ".gz", "wb") as z:  # (perfetto / chrome://tracing read it)
@@ -243,7 +244,7 @@ def profile(a, model, prompts, graphs: bool, sched: str = "legacy") -> dict:
     summary = {"config": name, "steps": a.profile_steps, "trace": path + ".gz", "with_stack": a.with_stack,
                "host_step_ms": round(sum(steps) / max(len(steps), 1) / 1e3, 3)}  # wall time of one engine step
     if kernels:
-        s = summarise(kernels)
+        s = summarise(kernels, ops)
         summary.update(window_ms_per_step=round(s["window_ms"] / a.profile_steps, 3),
                        gpu_idle_ms_per_step=round(s["idle_ms"] / a.profile_steps, 3), idle_share=s["idle_share"],
                        kernels_per_step=round(len(kernels) / a.profile_steps, 1), categories=s["categories"],
