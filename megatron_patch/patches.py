@@ -61,6 +61,16 @@ def apply(name: str) -> bool:
     return True
 
 
+def require(name: str, flag: str) -> None:
+    """Apply patch `name`, which option `flag` needs, or say in one ValueError why it cannot be."""
+    if apply(name):
+        return
+    p, version = _REGISTRY[name], compat.megatron_core_version()
+    if version not in p.versions:
+        raise ValueError(f"{flag} needs megatron-core {p.versions}, not {version}")
+    raise ValueError(f"{flag}: megatron-core {version} lacks what patch {name} changes ({p.why.splitlines()[0]})")
+
+
 def revert(name: str) -> None:
     undo = _ACTIVE.pop(name, None)
     if undo is not None:

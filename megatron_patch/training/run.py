@@ -40,11 +40,8 @@ def run(argv: list[str] | None, datasets_provider, extra_args_provider=None, ind
         patches.apply("lean_cross_entropy")
     if args.wgrad_fusion_without_apex and args.gradient_accumulation_fusion:
         patches.apply("apex_free_wgrad_fusion")
-    if args.fp8_output_layer and not patches.apply("fp8_output_layer"):
-        from megatron_patch import compat
-
-        raise ValueError(f"--fp8-output-layer needs megatron-core {patches.registry()['fp8_output_layer'].versions}, "
-                         f"not {compat.megatron_core_version()}")
+    if args.fp8_output_layer:
+        patches.require("fp8_output_layer", "--fp8-output-layer")
     if model_config is not None:
         hf_config = model_config(hf_config)
     cfg = pretrain_cfg_container_from_args(args, None)

@@ -83,6 +83,32 @@ def test_a_patch_is_never_applied_outside_its_range(monkeypatch, version):
     assert ran == [] and not any(patches.is_active(n) for n in patches.registry())
 
 
+def test_require_applies_or_says_which_range_or_seam_is_missing(monkeypatch):
+    """`require(name, flag)`: an option that needs a patch applies it, or stops with one line naming the option
+    and either the megatron-core range it needs or, inside the range, that the patch found nothing to change."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    from megatron_patch import compat
+
+    p = patches.Patch("probe_patch", SpecifierSet(">=0.18.2,<0.20"),
+                      "Probe: changes nothing real.\nSecond line.", lambda: None)
+    monkeypatch.setitem(patches._REGISTRY, "probe_patch", p)
+    monkeypatch.setattr(compat, "megatron_core_version", lambda: Version("0.17.1"))
+    with pytest.raises(ValueError, match=r"^--probe needs megatron-core <0\.20,>=0\.18\.2, not 0\.17\.1$"):
+        patches.require("probe_patch", "--probe")
+    monkeypatch.setattr(compat, "megatron_core_version", lambda: Version("0.19.2"))
+    with pytest.raises(ValueError, match=r"^--probe: megatron-core 0\.19\.2 lacks what patch probe_patch changes "
+                                         r"\(Probe: changes nothing real\.\)$"):
+        patches.require("probe_patch", "--probe")
+    undone = []
+    monkeypatch.setattr(p, "apply", lambda: lambda: undone.append(1))
+    patches.require("probe_patch", "--probe")
+    assert patches.is_active("probe_patch")
+    patches.revert("probe_patch")
+    assert undone == [1] and not patches.is_active("probe_patch")
+
+
 def test_the_installed_megatron_core_is_supported():
     """The process runs a supported megatron-core (a CI environment with another one fails here), and the
     patches a CPU-only machine needs apply under it (each patch's own test checks what it does;
