@@ -42,11 +42,14 @@ def _events(path: str) -> tuple[list[dict], dict[int, str]]:
     with opener(path, "rt") as f:
         trace = json.load(f)
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    kernels = [e for e in events if e.get("ph") == "X" and str(e.get("cat", "")).lower() in ("kernel", "gpu_memcpy")]
-    ops = {}
+    kernels, ops = [], {}
     for e in events:
-        args = e.get("args") or {}
-        if e.get("ph") == "X" and str(e.get("cat", "")).lower() == "cpu_op" and "External id" in args:
+        if e.get("ph") != "X":
+            continue
+        cat, args = str(e.get("cat", "")).lower(), e.get("args") or {}
+        if cat in ("kernel", "gpu_memcpy"):
+            kernels.append(e)
+        elif cat == "cpu_op" and "External id" in args:
             dims = [d for d in args.get("Input Dims", []) if d]
             ops[args["External id"]] = e.get("name", "") + (f" {dims}" if dims else "")
     return kernels, ops
