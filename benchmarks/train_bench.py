@@ -80,6 +80,11 @@ RUNS: dict[str, tuple[str, str, list[str], dict[str, str]]] = {
     # the output layer's weight gradient accumulated into the fp32 main_grad inside its GEMM and the embedding's rows
     # scattered into it (training.wgrad): no bf16 gradients and adds per micro-batch (2.7% of the fp8 step, 2026-12-05)
     "bf16 +wgrad-fusion": ("bf16", "default", ["--wgrad-fusion-without-apex"], {}),
+    # megatron-core's TEFusedMLP (Transformer Engine's op fuser: norm, fc1, SwiGLU, fc2 as one te.ops.Sequential) in
+    # place of the compiled SwiGLU between two TE layers (6% of the fp8 step, plus TE's cast of its output)
+    "bf16 +fused-mlp": ("bf16", "default", ["--use-transformer-engine-op-fuser"], {}),
+    # the levers not yet in the profiles, together
+    "bf16 +levers": ("bf16", "default", ["--wgrad-fusion-without-apex", "--use-transformer-engine-op-fuser"], {}),
     "bf16 mbs2": ("bf16", "default", ["@mbs2"], {}),
     # TE's FlashAttention backend (flash-attn v2 / v3, or v4 where TE takes it: `stage_wheels.sh fa4`) instead of
     # cuDNN's fused attention, whose backward is 3x its forward at 8B (docs/benchmarks.md, ninth session); the
@@ -102,6 +107,9 @@ RUNS: dict[str, tuple[str, str, list[str], dict[str, str]]] = {
     "fp8 +wgrad-fusion": ("fp8", "default", ["--wgrad-fusion-without-apex"], {}),
     # the output layer's three GEMMs in FP8 as well (22% of the fp8 step in bf16 in the profile of 2026-12-05)
     "fp8 +fp8-head": ("fp8", "default", ["--fp8-output-layer"], {}),
+    "fp8 +fused-mlp": ("fp8", "default", ["--use-transformer-engine-op-fuser"], {}),
+    "fp8 +levers": ("fp8", "default", ["--wgrad-fusion-without-apex", "--use-transformer-engine-op-fuser",
+                                       "--fp8-output-layer"], {}),
     "fp8 +flash-attn": ("fp8", "default", ["--attention-backend", "flash"], {}),
     "fp8 +fused-attn": ("fp8", "default", ["--attention-backend", "fused"], {}),
     "fp8 +cudnn-norm": ("fp8", "default", [], {"NVTE_NORM_FWD_USE_CUDNN": "1", "NVTE_NORM_BWD_USE_CUDNN": "1"}),

@@ -30,6 +30,7 @@ from typing import Any
 
 from megatron_patch.compat import require_hybrid_model
 from megatron_patch.models.family import ModelFamily, UnsupportedConfig
+from megatron_patch.models.modules import mlp_class
 from megatron_patch.models.registry import get_family
 
 require_hybrid_model()  # a clear error on megatron-core 0.18, before importing what it lacks
@@ -105,19 +106,15 @@ def _gpt_layer_specs(family: ModelFamily, hf_config: Any, gpt_config) -> tuple[l
     from megatron.core.transformer import transformer_block
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    spec = family.decoder_spec(hf_config, gpt_config)
+    from megatron_patch.models.modules.fused_mlp import with_te_fused_mlp
+
+    spec = with_te_fused_mlp(family.decoder_spec(hf_config, gpt_config), gpt_config)
     if isinstance(spec, ModuleSpec) and isinstance(spec.submodules, TransformerBlockSubmodules):
         spec = spec.submodules
     if isinstance(spec, TransformerBlockSubmodules):
         return list(spec.layer_specs), spec.layer_norm
     # one spec for every layer: GPTModel's TransformerBlock adds megatron-core's default final norm
     return [spec] * gpt_config.num_layers, transformer_block.LayerNormImpl
-
-
-def _mlp_class(mlp) -> type | None:
-    cls = getattr(mlp, "func", getattr(mlp, "module", mlp))  # a ModuleSpec, a partial or a class
-    cls = getattr(cls, "__self__", cls)  # `MLP.as_mlp_submodule`, a bound classmethod
-    return cls if isinstance(cls, type) else None
 
 
 def hybrid_stack_spec(hf_config: Any, config, family: ModelFamily | None = None) -> ModuleSpec:
@@ -153,7 +150,7 @@ def hybrid_stack_spec(hf_config: Any, config, family: ModelFamily | None = None)
         attention = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
             input_layernorm=sub.input_layernorm, self_attention=sub.self_attention, self_attn_bda=sub.self_attn_bda,
             sharded_state_dict_keys_map=keys[0]))
-        sparse = issubclass(_mlp_class(sub.mlp) or object, MoELayer)
+        sparse = issubclass(mlp_class(sub.mlp) or object, MoELayer)
         mlp = ModuleSpec(module=spec.module if sparse else MLPLayer, submodules=TransformerLayerSubmodules(
             pre_mlp_layernorm=sub.pre_mlp_layernorm, mlp=sub.mlp, mlp_bda=sub.mlp_bda,
             sharded_state_dict_keys_map=keys[1]))

@@ -29,15 +29,13 @@ def select_device(args: argparse.Namespace, given: set[str]) -> None:
     what cannot run on a CPU. The CPU test harness applies the patch itself (and passes the flags)."""
     import torch
 
-    from megatron_patch import compat, patches
+    from megatron_patch import patches
 
     if args.cpu:
         if torch.cuda.is_available():
             raise ValueError("--cpu: a CUDA GPU is visible to this process (CUDA was initialised before --cpu "
                              "could hide it); run with CUDA_VISIBLE_DEVICES= to train on the CPU")
-        if not patches.apply("cpu_training"):
-            raise ValueError(f"--cpu supports megatron-core {patches.registry()['cpu_training'].versions}, not "
-                             f"{compat.megatron_core_version()}")
+        patches.require("cpu_training", "--cpu")
     elif not torch.cuda.is_available() and not patches.is_active("cpu_training"):
         raise ValueError("no CUDA GPU found; pass --cpu to run a tiny model on the CPU")
     elif torch.cuda.is_available() and os.environ.get("TORCHDYNAMO_DISABLE") == "1":
@@ -53,6 +51,7 @@ def select_device(args: argparse.Namespace, given: set[str]) -> None:
         ("--precision fp8", args.precision == "fp8"),
         (f"--fp8-format {getattr(args, 'fp8', None)}", bool(getattr(args, "fp8", None))),
         ("--sequence-parallel", args.sequence_parallel),
+        ("--use-transformer-engine-op-fuser", getattr(args, "use_transformer_engine_op_fuser", False)),
         # it trains, but its checkpoints do not load back without TE's or Apex's Adam
         ("--use-distributed-optimizer", args.use_distributed_optimizer),
     ]

@@ -99,6 +99,11 @@ def make_model_provider(hf_config: Any):
                 type(model.output_layer).__name__ != "TELMHeadColumnParallelLinear":
             raise ValueError(f"--fp8-output-layer: megatron-core built {type(model.output_layer).__name__} as the "
                              "output layer, not Transformer Engine's TELMHeadColumnParallelLinear")
+        if getattr(args, "use_transformer_engine_op_fuser", False) and \
+                not any(type(m).__name__ == "TEFusedMLP" for m in model.modules()) and \
+                any(type(m).__name__ == "MLP" for m in model.modules()):
+            raise ValueError("--use-transformer-engine-op-fuser: megatron-core built no TEFusedMLP for this model's "
+                             "dense MLPs")
         lora = getattr(args, "lora", False)
         if args.load_hf and (not args.resuming or lora):  # a LoRA checkpoint holds the adapters, not the base
             load_hf_weights(model, args.load_hf, hf_config, args, vp_stage)

@@ -228,6 +228,8 @@ def test_bad_input_is_refused_before_training(corpus, tmp_path):
         "fp8 on the CPU": (_argv(corpus, str(tmp_path / "c"), "--precision", "fp8"),
                            "--precision fp8 cannot run on the CPU"),
         "architecture conflict": (_argv(corpus, str(tmp_path / "c"), "--num-layers", "7"), "--num-layers 7 conflicts"),
+        "TE's fused MLP on the CPU": (_argv(corpus, str(tmp_path / "c"), "--use-transformer-engine-op-fuser"),
+                                      "--use-transformer-engine-op-fuser cannot run on the CPU"),
         "fp8 output layer without fp8": (_argv(corpus, str(tmp_path / "c"), "--fp8-output-layer"),
                                          "--fp8-output-layer needs --precision fp8"),
         "no architecture": (_argv(corpus, str(tmp_path / "c"), model=()), "no model architecture"),
@@ -309,18 +311,22 @@ def test_throughput_profiles_reach_megatron_and_train_the_same(corpus, tmp_path)
 
 
 
+def _plain_and_flagged(corpus, tmp_path, flag: str):
+    """For TP=1 then TP=2: (tp, (plain, flagged)), two 5-iteration runs on Megatron's defaults
+    (`--throughput-profile none`), the second with `flag` on."""
+    for tp in (1, 2):
+        yield tp, tuple(_train(tp, _argv(corpus, str(tmp_path / f"{name}{tp}" / "ckpt"), "--train-iters", "5",
+                                         "--throughput-profile", "none", "--tensor-model-parallel-size", str(tp),
+                                         *extra))
+                        for name, extra in (("plain", []), ("flagged", [flag])))
+
+
 def test_lean_cross_entropy_trains_like_megatrons(corpus, tmp_path):
     """--lean-cross-entropy: the patch is in place and the fusion on; 5 iterations at TP=1 and at TP=2 (the
     vocabulary split over the ranks) give megatron-core's unfused fp32 losses of the same layout
     (`--throughput-profile none`) within fp32 rounding grown by training (lr 3e-3; measured: ≤ 5e-7 at TP=2 over
     3 iterations). A fused cross-entropy of another implementation is refused."""
-    runs = {}
-    for tp in (1, 2):
-        for name, extra in (("none", []), ("lean", ["--lean-cross-entropy"])):
-            runs[name, tp] = _train(tp, _argv(corpus, str(tmp_path / f"{name}{tp}" / "ckpt"), "--train-iters", "5",
-                                              "--throughput-profile", "none", "--tensor-model-parallel-size",
-                                              str(tp), *extra))
-        none, lean = runs["none", tp], runs["lean", tp]
+    for tp, (none, lean) in _plain_and_flagged(corpus, tmp_path, "--lean-cross-entropy"):
         assert none["lean_cross_entropy"] is False and lean["lean_cross_entropy"] is True
         assert lean["settings"]["cross_entropy_loss_fusion"] is True
         diffs = [abs(a - b) for a, b in zip(none["losses"], lean["losses"])]
@@ -340,13 +346,7 @@ def test_wgrad_fusion_without_apex_trains_like_megatrons(corpus, tmp_path):
     Apex's extension, the word embedding scatters its rows into main_grad, and 5 iterations at TP=1 and TP=2 give
     the losses of the unfused run of the same layout within fp32 rounding (the same products summed in another
     order). Off, nothing goes through it."""
-    runs = {}
-    for tp in (1, 2):
-        for name, extra in (("plain", []), ("fused", ["--wgrad-fusion-without-apex"])):
-            runs[name, tp] = _train(tp, _argv(corpus, str(tmp_path / f"{name}{tp}" / "ckpt"), "--train-iters", "5",
-                                              "--throughput-profile", "none", "--tensor-model-parallel-size",
-                                              str(tp), *extra))
-        plain, fused = runs["plain", tp], runs["fused", tp]
+    for tp, (plain, fused) in _plain_and_flagged(corpus, tmp_path, "--wgrad-fusion-without-apex"):
         assert plain["wgrad_fused"] == []
         # in each of 10 micro-batches: every linear layer (4 layers x 4 + the output layer) and the word embedding
         gemms = [shape for shape in fused["wgrad_fused"] if shape[0] != "embedding"]

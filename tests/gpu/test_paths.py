@@ -273,28 +273,35 @@ def test_pretrain_bf16_and_fp8(tmp_path):
 
 
 @pytest.mark.smoke
-def test_fp8_output_layer_and_wgrad_fusion_train_like_the_default(tmp_path):
-    """Two levers of issue 28, each against the default profile of the same precision over 5 steps of a 3e-3
+def test_fp8_output_layer_wgrad_fusion_and_te_fused_mlp_train_like_the_default(tmp_path):
+    """Three levers of issue 28, each against the default profile of the same precision over 5 steps of a 3e-3
     learning rate: `--wgrad-fusion-without-apex` (bf16; the output layer's weight gradient summed into main_grad in
     fp32 inside the GEMM: the same numbers but one bf16 rounding, so the first losses agree within 1e-3 and all
-    within bf16 noise, 0.02) and `--fp8-output-layer` (fp8; Transformer Engine's output layer under the run's
+    within bf16 noise, 0.02), `--fp8-output-layer` (fp8; Transformer Engine's output layer under the run's
     delayed-scaling recipe: the first loss within 0.02, all within 0.05; the run refuses to start if megatron-core
-    built its bf16 layer instead, `training.model`)."""
+    built its bf16 layer instead, `training.model`) and `--use-transformer-engine-op-fuser` (bf16 and fp8;
+    megatron-core's TEFusedMLP, which the run refuses to go without: the same products through other kernels, so
+    the first loss within 0.01 in bf16 and 0.02 in fp8, all within 0.05)."""
     from tests.models import llama_config
 
     config = tmp_path / "config.json"
     config.write_text(json.dumps(llama_config("gqa", **GPU_CFG, max_position_embeddings=256)))
     model = ["--hf-config", str(config)]
-    cases = (("bf16", "bf16", ()), ("bf16-wgrad", "bf16", ("--wgrad-fusion-without-apex",)), ("fp8", "fp8", ()),
-             ("fp8-head", "fp8", ("--fp8-output-layer",)))
+    fuser = ("--use-transformer-engine-op-fuser",)
+    cases = (("bf16", "bf16", ()), ("bf16-wgrad", "bf16", ("--wgrad-fusion-without-apex",)),
+             ("bf16-fused-mlp", "bf16", fuser), ("fp8", "fp8", ()), ("fp8-head", "fp8", ("--fp8-output-layer",)),
+             ("fp8-fused-mlp", "fp8", fuser))
     runs = {name: _train(tmp_path, name, model, 5, "--lr", "3e-3", "--precision", precision, *extra)["losses"]
             for name, precision, extra in cases}
     diffs = {name: [abs(runs[name][i] - runs[base][i]) for i in sorted(runs[base])]
-             for name, base in (("bf16-wgrad", "bf16"), ("fp8-head", "fp8"))}
-    _record(test="fp8_output_layer_wgrad_fusion", losses=runs, diffs=diffs)
+             for name, base in (("bf16-wgrad", "bf16"), ("fp8-head", "fp8"), ("bf16-fused-mlp", "bf16"),
+                                ("fp8-fused-mlp", "fp8"))}
+    _record(test="fp8_output_layer_wgrad_fusion_fused_mlp", losses=runs, diffs=diffs)
     assert all(sorted(series) == [1, 2, 3, 4, 5] for series in runs.values()), runs
     assert diffs["bf16-wgrad"][0] <= 1e-3 and max(diffs["bf16-wgrad"]) <= 0.02, diffs
     assert diffs["fp8-head"][0] <= 0.02 and max(diffs["fp8-head"]) <= 0.05, diffs
+    assert diffs["bf16-fused-mlp"][0] <= 0.01 and max(diffs["bf16-fused-mlp"]) <= 0.05, diffs
+    assert diffs["fp8-fused-mlp"][0] <= 0.02 and max(diffs["fp8-fused-mlp"]) <= 0.05, diffs
 
 
 @pytest.mark.smoke

@@ -26,3 +26,11 @@ def replace_mlp(mlp, module=None, submodules=None):
         return functools.partial(mlp.func if module is None else module.as_mlp_submodule, **kw)
     return dataclasses.replace(mlp, module=module or mlp.module,
                                submodules=mlp.submodules if submodules is None else submodules(mlp.submodules))
+
+
+def mlp_class(mlp) -> type | None:
+    """The module class of a layer spec's MLP entry (a ModuleSpec, megatron-core 0.19's partial of
+    `<cls>.as_mlp_submodule`, or a class)."""
+    cls = getattr(mlp, "func", getattr(mlp, "module", mlp))
+    cls = getattr(cls, "__self__", cls)  # `MLP.as_mlp_submodule`, a bound classmethod
+    return cls if isinstance(cls, type) else None
