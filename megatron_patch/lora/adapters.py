@@ -223,7 +223,8 @@ def find_sites(model: nn.Module, hf_config: Any, cfg: LoRAConfig, plan) -> list[
     for i, layer in enumerate(getattr(decoder, "layers", [])):
         g = layer.layer_number - 1
         if type(getattr(layer, "mlp", None)).__name__ == "TEFusedMLP":
-            raise LoRAError("LoRA cannot adapt Transformer Engine's fused MLP op (--use-transformer-engine-op-fuser): turn it off")
+            raise LoRAError("LoRA cannot adapt Transformer Engine's fused MLP op "
+                            "(--use-transformer-engine-op-fuser): turn it off")
         for path, module in layer.named_modules():
             leaf = path.rsplit(".", 1)[-1]
             if leaf not in cfg.targets or ".experts." in f".{path}.":

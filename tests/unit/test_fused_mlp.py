@@ -67,9 +67,10 @@ def _layer(mlp):
 
 
 @pytest.mark.parametrize("partial", [True, False])
-def test_a_dense_layer_gets_the_fused_mlp_with_the_same_submodules(te, partial):
+@pytest.mark.parametrize("activation", [F.silu, F.relu])
+def test_a_dense_layer_gets_the_fused_mlp_with_the_same_submodules(te, partial, activation):
     layer = _layer(_mlp(partial=partial))
-    fused = with_te_fused_mlp(layer, _config())
+    fused = with_te_fused_mlp(layer, _config(activation_func=activation))
     assert mlp_class(fused.submodules.mlp) is FusedMLP
     before = layer.submodules.mlp.keywords if partial else {"submodules": layer.submodules.mlp.submodules}
     after = fused.submodules.mlp.keywords if partial else {"submodules": fused.submodules.mlp.submodules}
@@ -102,7 +103,10 @@ def test_a_block_fuses_its_dense_layers_and_keeps_its_experts(te, wrapped):
 @pytest.mark.parametrize("change, message", [
     ({"transformer_impl": "local"}, "--use-transformer-engine-op-fuser needs --transformer-impl transformer_engine, "
                                     "not local"),
-    ({"activation_func": lambda x: F.gelu(x, approximate="tanh")}, "has no op for this model's activation"),
+    ({"activation_func": functools.partial(F.gelu, approximate="tanh")}, "does not compute this model's activation "
+                                                                         "partial as it is"),
+    ({"activation_func": F.gelu, "gated_linear_unit": False}, "activation gelu as it is (it is exact for silu and "
+                                                              "relu, gated or not; its GELU is the tanh approximation"),
     ({"activation_func_clamp_value": 7.0}, "ignores activation_func_clamp_value (7.0)"),
     ({"glu_linear_offset": 1.0}, "ignores glu_linear_offset (1.0)"),
 ])
