@@ -83,6 +83,9 @@ RUNS: dict[str, tuple[str, str, list[str], dict[str, str]]] = {
     # megatron-core's TEFusedMLP (Transformer Engine's op fuser: norm, fc1, SwiGLU, fc2 as one te.ops.Sequential) in
     # place of the compiled SwiGLU between two TE layers (6% of the fp8 step, plus TE's cast of its output)
     "bf16 +fused-mlp": ("bf16", "default", ["--use-transformer-engine-op-fuser"], {}),
+    # megatron-core's RoPE on the fused QKV output in one Transformer Engine kernel (no split of QKV before it, no
+    # concatenation of its gradients: the copies and concatenations in the profile's elementwise group)
+    "bf16 +qkv-rope": ("bf16", "default", ["--fused-single-qkv-rope"], {}),
     # the levers not yet in the profiles, together
     "bf16 +levers": ("bf16", "default", ["--wgrad-fusion-without-apex", "--use-transformer-engine-op-fuser"], {}),
     "bf16 mbs2": ("bf16", "default", ["@mbs2"], {}),
@@ -108,6 +111,7 @@ RUNS: dict[str, tuple[str, str, list[str], dict[str, str]]] = {
     # the output layer's three GEMMs in FP8 as well (22% of the fp8 step in bf16 in the profile of 2026-12-05)
     "fp8 +fp8-head": ("fp8", "default", ["--fp8-output-layer"], {}),
     "fp8 +fused-mlp": ("fp8", "default", ["--use-transformer-engine-op-fuser"], {}),
+    "fp8 +qkv-rope": ("fp8", "default", ["--fused-single-qkv-rope"], {}),
     "fp8 +levers": ("fp8", "default", ["--wgrad-fusion-without-apex", "--use-transformer-engine-op-fuser",
                                        "--fp8-output-layer"], {}),
     "fp8 +flash-attn": ("fp8", "default", ["--attention-backend", "flash"], {}),
