@@ -81,6 +81,20 @@ def load_hf_weights(model, hf_dir: str, hf_config: Any, args, vp_stage: int | No
     load_hf_into_rank(model, plan, ckpt.get, ckpt.keys(), keep=head, reader=ckpt, stage=stage)  # its slices only
 
 
+def check_built(model, args, post_process: bool) -> None:
+    """The modules the options asked for are the ones megatron-core built (a seam that moved between releases
+    would otherwise train the plain layers silently): `--fp8-output-layer` Transformer Engine's output layer on the
+    last stage, `--use-transformer-engine-op-fuser` no plain `MLP` left as a layer's MLP."""
+    if getattr(args, "fp8_output_layer", False) and post_process and \
+            type(model.output_layer).__name__ != "TELMHeadColumnParallelLinear":
+        raise ValueError(f"--fp8-output-layer: megatron-core built {type(model.output_layer).__name__} as the "
+                         "output layer, not Transformer Engine's TELMHeadColumnParallelLinear")
+    if getattr(args, "use_transformer_engine_op_fuser", False) and \
+            any(type(getattr(m, "mlp", None)).__name__ == "MLP" for m in model.modules()):
+        raise ValueError("--use-transformer-engine-op-fuser: megatron-core built its plain MLP, not TEFusedMLP, "
+                         "for a dense layer of this model")
+
+
 def make_model_provider(hf_config: Any):
     family = get_family(hf_config)  # resolved once for every model chunk megatron asks for
 
@@ -95,15 +109,7 @@ def make_model_provider(hf_config: Any):
                       fp16_lm_cross_entropy=args.fp16_lm_cross_entropy, parallel_output=True,
                       **({"vp_stage": vp_stage} if vp_stage is not None else {}))
         fuse_te_wgrad(model, args.gradient_accumulation_fusion)
-        if getattr(args, "fp8_output_layer", False) and post_process and \
-                type(model.output_layer).__name__ != "TELMHeadColumnParallelLinear":
-            raise ValueError(f"--fp8-output-layer: megatron-core built {type(model.output_layer).__name__} as the "
-                             "output layer, not Transformer Engine's TELMHeadColumnParallelLinear")
-        if getattr(args, "use_transformer_engine_op_fuser", False) and \
-                not any(type(m).__name__ == "TEFusedMLP" for m in model.modules()) and \
-                any(type(m).__name__ == "MLP" for m in model.modules()):
-            raise ValueError("--use-transformer-engine-op-fuser: megatron-core built no TEFusedMLP for this model's "
-                             "dense MLPs")
+        check_built(model, args, post_process)
         lora = getattr(args, "lora", False)
         if args.load_hf and (not args.resuming or lora):  # a LoRA checkpoint holds the adapters, not the base
             load_hf_weights(model, args.load_hf, hf_config, args, vp_stage)

@@ -131,3 +131,29 @@ def test_without_transformer_engine_s_fused_mlp_it_says_so(te, monkeypatch):
     monkeypatch.setattr(te, "TEFusedMLP", None)
     with pytest.raises(UnsupportedConfig, match="needs Transformer Engine 1.13 or newer"):
         with_te_fused_mlp(_layer(_mlp()), _config())
+
+
+def test_the_provider_refuses_a_model_built_with_a_plain_dense_mlp():
+    """`training.model.check_built`: with the option on, a layer whose MLP is megatron-core's plain MLP stops the
+    run (a moved seam would otherwise train unfused silently); mixture-of-experts layers, whose experts are MLPs
+    under other names, and fused ones pass; off, nothing is checked."""
+    import torch
+
+    from megatron_patch.training.model import check_built
+
+    def layer(mlp_cls):
+        m = torch.nn.Module()
+        m.mlp = mlp_cls.__new__(mlp_cls)
+        torch.nn.Module.__init__(m.mlp)
+        return m
+
+    def model(*classes):
+        m = torch.nn.Module()
+        m.layers = torch.nn.ModuleList([layer(c) for c in classes])
+        return m
+
+    on, off = types.SimpleNamespace(use_transformer_engine_op_fuser=True), types.SimpleNamespace()
+    check_built(model(FusedMLP, MoELayer), on, post_process=False)
+    check_built(model(MLP), off, post_process=False)
+    with pytest.raises(ValueError, match="built its plain MLP, not TEFusedMLP, for a dense layer"):
+        check_built(model(FusedMLP, MLP, MoELayer), on, post_process=False)
