@@ -28,8 +28,8 @@ memory and resident memory (allocated at the end of an optimizer step: weights, 
 ours from Megatron's memory report after iteration 2, with the optimizer state in it). `--losses N` also runs N
 iterations of each of our runs from the same seed and reports the largest loss difference to its reference run:
 the same-precision `none` run (tuned settings must train the same, up to bf16 noise), or the run LOSS_REFERENCE
-names (`+hybrid`: GPTModel at the same settings; HybridModel must train as GPTModel does). LoRA runs have none
-(they train other weights).
+names (`+hybrid`: GPTModel at the same settings; HybridModel must train as GPTModel does; a lever not yet in the
+profiles, e.g. `fp8 +fp8-head`: the default profile it would join). LoRA runs have none (they train other weights).
 `--trace RUN` records a PyTorch profiler trace of that run's iterations 6-7 and prints where the time goes
 (`benchmarks/trace_summary.py`).
 """
@@ -128,8 +128,11 @@ RUNS: dict[str, tuple[str, str, list[str], dict[str, str]]] = {
     "fp8 dp2": ("fp8", "default", ["--overlap-grad-reduce", "--overlap-param-gather"], {}),
 }
 # `--losses`: the run a run's losses are compared with, where it is not its precision's `none` run (None: no
-# comparison; LoRA trains other weights)
-LOSS_REFERENCE: dict[str, str | None] = {"bf16 +hybrid": "bf16", "bf16 +lora": None, "fp8 +lora": None}
+# comparison; LoRA trains other weights). The levers not yet in the profiles against the profile they would join.
+LOSS_REFERENCE: dict[str, str | None] = {
+    "bf16 +hybrid": "bf16", "bf16 +lora": None, "fp8 +lora": None,
+    **{f"{p} +{lever}": p for p in ("bf16", "fp8") for lever in ("wgrad-fusion", "fused-mlp", "qkv-rope", "levers")},
+    "fp8 +fp8-head": "fp8"}
 
 
 def loss_reference(run: str) -> str | None:
@@ -454,7 +457,8 @@ def main() -> None:
     ap.add_argument("--torchtitan", nargs="+", default=["torchtitan"], choices=[*sorted(titan_peer.TITAN_RUNS), "none"],
                     help="torchtitan rows (none: skip torchtitan)")
     ap.add_argument("--losses", type=int, default=0,
-                    help="also compare the first N iterations' losses with the same precision's 'none' run")
+                    help="also compare the first N iterations' losses with each run's reference run (the same "
+                         "precision's 'none' run, or LOSS_REFERENCE's)")
     ap.add_argument("--trace", choices=sorted(RUNS), help="record and summarise a profiler trace of this run")
     ap.add_argument("--dry-run", action="store_true", help="print our runs' commands, run nothing")
     ap.add_argument("--hf-worker", choices=HF_RUNS, help=argparse.SUPPRESS)  # one HF row (hf() starts it)
