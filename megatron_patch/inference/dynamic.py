@@ -8,6 +8,7 @@ kept between calls while it fits (`release_engine` frees it). TP, PP and EP; ALi
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -73,8 +74,10 @@ SAMPLING_NO_SYNC: bool = True
 MLA_ON_GPU: bool = False
 # CUDA graphs of multi-latent attention's decode steps. Off: on the H200 (2026-12-04) a dense DeepSeek-V3 with
 # graphs generated other tokens than without them from the first decode step on (3 of 4 prompts; HF margins up
-# to 0.31, not near-ties), cause not yet found: the same with the torch decode instead of our Triton kernel, without
-# async scheduling and without the RoPE kernel (the GPU test `test_mla_cuda_graphs_equal_eager`, which keeps the case).
+# to 0.31, not near-ties). Cause found on a CPU since (2026-12-05): the MLA layers read their rotary table inside the
+# graphed block from megatron-core's lru_cache, which `generate` clears after each call, so the kept engine's graphs
+# read freed memory in its next call; the tables now live with the engine (`_kept_rotary_table`). On once the GPU
+# test `test_mla_cuda_graphs_equal_eager` passes there.
 MLA_GRAPHS: bool = False
 # CUDA graphs of MoE layers' decode steps by default (`moe_graph_dispatch`: the all-to-all dispatcher padded to
 # capacity, or dropless below). On since the H200 smoke of 2026-12-05: a small Mixtral's graphs, padded and dropless,
@@ -429,16 +432,51 @@ def _latent_cache(model) -> Iterator[None]:
     layers = [m for m in model.modules() if isinstance(m, MultiLatentAttention)]
     configs = {id(c): c for c in [model.config, *(m.config for m in layers)]}.values()
     saved = [(c, c.cache_mla_latents) for c in configs] + [(m, m.cache_mla_latents) for m in layers]
+    ropes = [m.rotary_pos_emb for m in layers if callable(getattr(m, "rotary_pos_emb", None))]
     with patches.applied("mla_latent_cache"):
         try:
             for owner, _ in saved:
                 owner.cache_mla_latents = True
+            for rope in ropes:
+                rope.forward = functools.partial(_kept_rotary_table, rope)
             yield
         finally:
+            for rope in ropes:
+                rope.__dict__.pop("forward", None)
             for owner, value in saved:
                 owner.cache_mla_latents = value
             for m in layers:
                 patches.mla_latent_forget(m)
+
+
+# The rotary tables multi-latent attention layers read during the kept engine's calls, kept as long as the engine
+# (`_Engines.release` empties it): (id(rotary module), offset, packed_seq, cp_group, length or None) -> the tables.
+_ROTARY_TABLES: dict[tuple, list] = {}
+
+
+def _kept_rotary_table(rope, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None):
+    """An MLA layer's rotary table (what `RotaryEmbedding.forward` / `YarnRotaryEmbedding.forward` return) for
+    the engine's calls. Those layers compute it inside the decoder block, from megatron-core's lru_cache (32
+    entries, process-wide; GQA's comes in from the model, a graph input), which `generate` clears after every call
+    (`forget_inference_rope`) and deep models overflow; a CUDA graph reads the table's memory, not the object, so
+    the kept engine's graphs read freed memory in its next call (tokens parted from eager decoding on the H200,
+    2026-12-04). Here each table lives with the engine. Rows depend only on their position, so one table of the
+    next power of two serves every shorter length (a view of it), except where context parallelism slices the
+    table by rank (then one a length); a longer request makes a longer table and the shorter ones stay (graphs
+    captured earlier read them)."""
+    forward = type(rope).forward
+    compute = getattr(forward, "__wrapped__", forward)  # (not megatron-core's lru_cache)
+    group = cp_group if cp_group is not None else getattr(rope, "cp_group", None)
+    prefix = packed_seq or group is None or group.size() == 1
+    key = (id(rope), offset, packed_seq, id(cp_group), None if prefix else max_seq_len)
+    kept = _ROTARY_TABLES.setdefault(key, [])
+    if not kept or kept[-1][0] < max_seq_len:
+        length = 1 << (max_seq_len - 1).bit_length() if prefix else max_seq_len
+        kept.append((length, compute(rope, length, offset, packed_seq, cp_group)))
+    table = kept[-1][1]
+    if isinstance(table, tuple):  # YaRN: (table, mscale)
+        return (table[0][:max_seq_len], *table[1:])
+    return table[:max_seq_len]
 
 
 @contextlib.contextmanager
@@ -499,6 +537,7 @@ class _Engines:
         if cls.engine is not None and cls.plan.cuda_graphs:
             drop_inference_cuda_graphs(cls.model)
         cls.model = cls.tokenizer = cls.plan = cls.engine = None
+        _ROTARY_TABLES.clear()
 
 
 def release_engine() -> None:

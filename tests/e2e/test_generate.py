@@ -558,6 +558,47 @@ def test_multi_latent_attention_runs_on_the_dynamic_engine(variant, cpu_megatron
     dynamic.release_engine()
 
 
+def test_multi_latent_attention_keeps_its_rotary_tables_with_the_engine(cpu_megatron, monkeypatch):
+    """Multi-latent attention computes its rotary table inside the decoder block (GQA's comes in from the model, a
+    graph input), read from megatron-core's lru_cache on `RotaryEmbedding.forward` (32 entries, process-wide),
+    which `generate` clears after every call (`forget_inference_rope`). A CUDA graph reads the table's memory, not
+    the object: the engine kept for the next call replayed its graphs over a freed table, so that call's tokens
+    parted from eager decoding (the H200, 2026-12-04). The tables the MLA layers read live as long as the kept
+    engine: the second call computes none and reads the first call's, alive between the calls, freed with the
+    engine; tokens as before."""
+    import gc
+    import weakref
+
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    from megatron_patch.inference import Sampling, dynamic, generate
+    from megatron_patch.tokenizer import build_tokenizer
+
+    c, model = _converted("deepseek_v3")
+    tok = build_tokenizer(TINY_TOKENIZER)
+    made = []  # the tables computed, as weak references
+    get_emb = RotaryEmbedding.get_emb
+
+    def spy(self, *args, **kwargs):
+        emb = get_emb(self, *args, **kwargs)
+        made.append(weakref.ref(emb))
+        return emb
+
+    monkeypatch.setattr(RotaryEmbedding, "get_emb", spy)
+    prompts = [[5, 6, 7], [(7 * i) % 997 + 2 for i in range(70)], [9, 10, 11, 12, 13, 14]]
+    dynamic.release_engine()
+    first = generate(model, tok, prompts, Sampling(6, top_k=1), engine="dynamic")
+    gc.collect()
+    assert made and all(r() is not None for r in made)  # alive with the kept engine
+    count = len(made)
+    assert generate(model, tok, prompts, Sampling(6, top_k=1), engine="dynamic") == first
+    assert len(made) == count  # the second call read the first call's tables
+    assert all("forward" not in m.__dict__ for m in model.modules() if isinstance(m, RotaryEmbedding))
+    dynamic.release_engine()
+    gc.collect()
+    assert all(r() is None for r in made)
+
+
 def _generate_mla(rank: int, hf_dir: str, prompts: list[list[int]]) -> dict[str, list[list[int]]]:
     from megatron_patch.inference import Sampling, generate, load_model
     from megatron_patch.models import Layout

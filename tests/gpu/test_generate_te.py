@@ -353,16 +353,16 @@ def test_mla_on_the_dynamic_engine_equals_hf(tmp_path, monkeypatch):
 
 
 @pytest.mark.smoke
-@pytest.mark.xfail(strict=True, reason="multi-latent attention under CUDA graphs decoded other tokens than eagerly "
-                   "on the H200 (2026-12-04); dynamic.MLA_GRAPHS stays off until this passes")
 def test_mla_cuda_graphs_equal_eager(tmp_path, monkeypatch):
     """The dense DeepSeek-V3 above with CUDA graphs of decode-only steps (`dynamic.MLA_GRAPHS` on for the test)
-    generates the same tokens as without them. Recorded for the diagnosis, each against eager: graphs with the torch
-    decode instead of the Triton kernel, without asynchronous scheduling, without the RoPE kernel (none of the three
-    mattered on 2026-12-04); each prompt alone and the four reversed, request by request; the first call on a
-    fresh engine (the others are second calls); the rotary table computed in every call instead of read from
-    megatron-core's lru_cache, one graph size only, megatron-core's local layers instead of TE's; and the graphs'
-    and eager rows against HF. (On a CPU, eager steps padded as a graph step pads them decode as unpadded ones: the
+    generates the same tokens as without them. On the H200 (2026-12-04) they did not, from the first decode step
+    of the kept engine's second call on: MLA layers read their rotary table inside the graphed block from
+    megatron-core's lru_cache, which `generate` clears after each call, so the graphs read freed memory; the
+    tables now live with the engine (`dynamic._kept_rotary_table`). Recorded, each against eager: graphs with the
+    torch decode instead of the Triton kernel, without asynchronous scheduling, without the RoPE kernel; each prompt
+    alone and the four reversed, request by request; the first call on a fresh engine (the others are second
+    calls); one graph size only, megatron-core's local layers instead of TE's; megatron-core's rotary cache after
+    the graphs' calls; and the graphs' and eager rows against HF. (On a CPU, eager steps padded as a graph step pads them decode as unpadded ones: the
     cause is in capture or replay, not in the padding.)"""
     from megatron_patch.inference import Sampling, decode_attention, dynamic, generate
     from megatron_patch.tokenizer import TINY_TOKENIZER, build_tokenizer
@@ -371,10 +371,13 @@ def test_mla_cuda_graphs_equal_eager(tmp_path, monkeypatch):
     monkeypatch.setattr(dynamic, "MLA_GRAPHS", True)
     _, eager = _generate_timed(model, prompts, engine="dynamic", cuda_graphs=False)
     _, graphs = _generate_timed(model, prompts, engine="dynamic", cuda_graphs=True)
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    # (whether megatron-core's rotary lru_cache (32 entries, process-wide) evicted tables the graphs read)
+    equal = {"rope_cache_after_graphs": RotaryEmbedding.forward.cache_info()._asdict()}
     variants = {"torch_decode": (decode_attention, "mla_supports", lambda *args: False),
                 "sync_scheduling": (dynamic, "ASYNC_SCHEDULING", False),
                 "no_rope_kernel": (dynamic, "DECODE_ROPE", False)}
-    equal = {}
     for name, (owner, attr, value) in variants.items():
         dynamic.release_engine()
         with monkeypatch.context() as m:
@@ -394,18 +397,9 @@ def test_mla_cuda_graphs_equal_eager(tmp_path, monkeypatch):
     reverse = _generate_timed(model, prompts[::-1], engine="dynamic", cuda_graphs=True)[1]
     equal["graphs_reversed_equal_eager"] = [r == e for r, e in zip(reverse[::-1], eager)]
     dynamic.release_engine()
-    # what only multi-latent attention does inside the captured block: its rotary table comes from megatron-core's
-    # process-wide lru_cache (`RotaryEmbedding.forward`, read by the graph, not owned by it; GQA's is a graph
-    # input) -> computed afresh in every call; one graph size only (every decode step padded to the largest);
-    # megatron-core's local layers instead of TE's (its fused norm + linear, which `mla_latent_cache` splits)
-    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-
+    # one graph size only (every decode step padded to the largest); megatron-core's local layers instead of TE's
+    # (its fused norm + linear, which `mla_latent_cache` splits)
     from megatron_patch.inference import load_model
-
-    def uncached_rope():
-        with monkeypatch.context() as m:
-            m.setattr(RotaryEmbedding, "forward", RotaryEmbedding.forward.__wrapped__)
-            return _generate_timed(model, prompts, engine="dynamic", cuda_graphs=True)[1] == eager
 
     def one_size():
         with monkeypatch.context() as m:
@@ -419,8 +413,7 @@ def test_mla_cuda_graphs_equal_eager(tmp_path, monkeypatch):
         return {"graphs_equal_eager": _generate_timed(local, prompts, engine="dynamic", cuda_graphs=True)[1]
                 == local_eager, "eager_equal_te_eager": local_eager == eager}
 
-    for name, run in (("graphs_uncached_rope_equal_eager", uncached_rope), ("graphs_one_size_equal_eager", one_size),
-                      ("local_layers", local_layers)):
+    for name, run in (("graphs_one_size_equal_eager", one_size), ("local_layers", local_layers)):
         try:  # (a row that fails says why; the others and the record still come)
             equal[name] = run()
         except Exception as e:
