@@ -362,8 +362,7 @@ def test_mla_cuda_graphs_equal_eager(tmp_path, monkeypatch):
     torch decode instead of the Triton kernel, without asynchronous scheduling, without the RoPE kernel; each prompt
     alone and the four reversed, request by request; the first call on a fresh engine (the others are second
     calls); one graph size only, megatron-core's local layers instead of TE's; megatron-core's rotary cache after
-    the graphs' calls; and the graphs' and eager rows against HF. (On a CPU, eager steps padded as a graph step pads them decode as unpadded ones: the
-    cause is in capture or replay, not in the padding.)"""
+    the graphs' calls; and the graphs' and eager rows against HF."""
     from megatron_patch.inference import Sampling, decode_attention, dynamic, generate
     from megatron_patch.tokenizer import TINY_TOKENIZER, build_tokenizer
 
@@ -422,6 +421,37 @@ def test_mla_cuda_graphs_equal_eager(tmp_path, monkeypatch):
     _record(test="mla_cuda_graphs", prompts=greedy_rows(hf, prompts, graphs, "cuda"),
             eager_rows=greedy_rows(hf, prompts, eager, "cuda"), graphs_equal_eager=graphs == eager, **equal)
     assert graphs == eager
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("dispatch", ["padded", "dropless"])
+def test_mla_and_moe_cuda_graphs_equal_eager(tmp_path, monkeypatch, dispatch):
+    """DeepSeek-V3 as DeepSeek's models are (multi-latent attention and MoE layers) with CUDA graphs of decode steps
+    (`dynamic.MLA_GRAPHS` on for the test; the MoE layers padded to capacity or dropless, as Mixtral's): the kept
+    engine's second call generates the tokens of eager decoding, and HF bf16's (near-ties allowed, as above);
+    the seconds of both recorded."""
+    from megatron_patch.inference import dynamic
+    from tests.models import any_config
+
+    monkeypatch.setattr(dynamic, "MLA_ON_GPU", True)
+    monkeypatch.setattr(dynamic, "MLA_GRAPHS", True)
+    monkeypatch.setattr(dynamic, "MOE_DROPLESS", dispatch == "dropless")
+    monkeypatch.setattr(dynamic, "DROPLESS_COST", 0.0)
+    cfg = {**any_config("deepseek_v3"), "kv_lora_rank": 64, "qk_rope_head_dim": 16}
+    model, hf = _tiny_te_model(cfg, str(tmp_path / "deepseek"))
+    prompts = MIXED_PROMPTS
+    plan = dynamic.plan_engine(model, prompts, STEPS)
+    assert plan.cuda_graphs and plan.moe_dropless == (dispatch == "dropless")
+    eager_s, eager = _generate_timed(model, prompts, engine="dynamic", cuda_graphs=False)
+    dynamic.release_engine()
+    seconds, graphs = _generate_timed(model, prompts, engine="dynamic", cuda_graphs=True)
+    rows = greedy_rows(hf, prompts, graphs, "cuda")
+    _record(test="mla_moe_cuda_graphs", variant=dispatch, prompts=rows, graphs_equal_eager=graphs == eager,
+            seconds=seconds, seconds_eager=eager_s)
+    dynamic.release_engine()
+    assert graphs == eager
+    for r in rows:
+        assert r["identical"] or r["hf_margin_at_diff"] < MARGIN[torch.bfloat16], r
 
 
 @pytest.mark.smoke
