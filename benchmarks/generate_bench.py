@@ -14,7 +14,8 @@ layers, 64 experts, with a query latent); a mixture of experts at Mixtral-8x7B's
 GEMMs or always on megatron-core's dispatchers, padded under CUDA graphs; each row names the path it ran, from
 the engine's plan); random bf16 weights
 made by transformers and converted in memory. On a GPU the dynamic engine runs multi-latent attention only with
-`--mla-gpu` (`dynamic.MLA_ON_GPU`, off until measured).
+`--mla-gpu` (`dynamic.MLA_ON_GPU`, off until measured), with CUDA graphs of its decode steps only with
+`--mla-graphs` too (`dynamic.MLA_GRAPHS`, off until measured).
 Requests: a JSONL file of prompts (`{"prompt_ids": [...]}`, random token ids, lengths uniform in
 [--min-prompt, --max-prompt], seed 0; written to --prompts if that file does not exist, else read from it);
 a row with N requests takes the file's first N. Greedy, no early stop: every request produces exactly
@@ -316,6 +317,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--bandwidth-tb-s", type=float, default=4.8, help="memory bandwidth for the bound (H200: 4.8)")
     ap.add_argument("--mla-gpu", action="store_true",
                     help="multi-latent attention on the dynamic engine on a GPU (dynamic.MLA_ON_GPU: off by default)")
+    ap.add_argument("--mla-graphs", action="store_true",
+                    help="with --mla-gpu, CUDA graphs of multi-latent attention's decode steps too "
+                         "(dynamic.MLA_GRAPHS: off by default)")
     ap.add_argument("--moe-dispatch", choices=["auto", "dropless", "padded"], default="auto",
                     help="MoE layers: auto = the engine's choice (dynamic.MOE_DROPLESS, dynamic.dropless_pays); "
                          "dropless = grouped GEMMs at every request count; padded = megatron-core's dispatchers "
@@ -324,6 +328,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a = ap.parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no GPU here (use --shapes tiny --device cpu --impl local --dtype fp32)")
+    if a.mla_graphs and not a.mla_gpu:
+        ap.error("--mla-graphs needs --mla-gpu (graphs of multi-latent attention on the dynamic engine)")
     if min(a.requests) < 1 or a.new < 2 or not 1 <= a.min_prompt <= a.max_prompt:
         ap.error("--requests >= 1, --new >= 2 and 1 <= --min-prompt <= --max-prompt")
     return a
@@ -345,6 +351,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     if a.mla_gpu:
         dynamic.MLA_ON_GPU = True
+    if a.mla_graphs:
+        dynamic.MLA_GRAPHS = True
     info = versions()
     print(json.dumps(info), flush=True)
     timer = Timer(a.device, a.repeat)

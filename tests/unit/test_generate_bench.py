@@ -11,6 +11,8 @@ import math
 import os
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -69,20 +71,24 @@ def test_tiny_shape_on_cpu(tmp_path, cpu_megatron):
     assert versions["megatron-core"] == importlib.metadata.version("megatron-core")
 
 
-def test_multi_latent_attention_shape_on_both_engines(tmp_path, cpu_megatron):
+def test_multi_latent_attention_shape_on_both_engines(tmp_path, cpu_megatron, capsys):
     """A DeepSeek shape (multi-latent attention) runs its rows on both engines; `--mla-gpu` is the switch that lets
-    the dynamic engine take it on a GPU (no effect on a CPU, where it runs anyway)."""
+    the dynamic engine take it on a GPU, `--mla-graphs` its CUDA graphs there (no effect on a CPU, where it runs
+    anyway, without graphs)."""
     from megatron_patch.inference import dynamic
 
     result = _bench().main(["--shapes", "tiny-mla", "--device", "cpu", "--impl", "local", "--dtype", "fp32",
                             "--requests", "2", "--new", "3", "--min-prompt", "4", "--max-prompt", "70", "--repeat",
-                            "1", "--hf", "hf", "--mla-gpu", "--prompts", str(tmp_path / "p.jsonl")])
+                            "1", "--hf", "hf", "--mla-gpu", "--mla-graphs", "--prompts", str(tmp_path / "p.jsonl")])
     # (tiny-mla has MoE layers: dropless on the dynamic engine by default)
     assert [r["run"] for r in result["rows"]] == ["ours (dynamic engine, dropless MoE)", "ours (static engine)",
                                                   "HF generate"]
     assert all("skipped" not in r for r in result["rows"]), result["rows"]
-    assert dynamic.MLA_ON_GPU
-    dynamic.MLA_ON_GPU = False
+    assert dynamic.MLA_ON_GPU and dynamic.MLA_GRAPHS
+    dynamic.MLA_ON_GPU = dynamic.MLA_GRAPHS = False
+    with pytest.raises(SystemExit):  # graphs of multi-latent attention only where the dynamic engine takes it
+        _bench().parse_args(["--shapes", "tiny-mla", "--device", "cpu", "--mla-graphs"])
+    assert "error: --mla-graphs needs --mla-gpu" in capsys.readouterr().err
 
 
 def test_engines_choose_our_rows(tmp_path, cpu_megatron):
@@ -143,8 +149,6 @@ def test_engine_probe_at_the_tiny_shape_on_cpu(tmp_path, cpu_megatron, capsys):
     megatron-core's sampling's, and a profile per
     scheduling whose host-function table counts the engine's steps (a prefill step and a decode step per later
     token; async scheduling may launch one more) and lists --top functions by own time."""
-    import pytest
-
     from megatron_patch import compat
     from megatron_patch.inference import dynamic
 
