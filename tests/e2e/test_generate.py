@@ -706,6 +706,10 @@ def test_moe_and_latent_attention_plan_their_cuda_graphs(variant, cpu_megatron, 
     plan = dynamic.plan_engine(model, [[5, 6, 7]], 4, kv_cache_gb=0.01)
     assert plan.cuda_graphs == (variant == "mixtral")  # (DeepSeek-V3: multi-latent attention)
     assert not plan.non_decode_graphs  # (a prefill padded to capacity: a row per expert for each of its tokens)
+    if variant == "deepseek_v3":  # with multi-latent attention's graphs on, its MoE layers are captured as Mixtral's
+        with monkeypatch.context() as m:
+            m.setattr(dynamic, "MLA_GRAPHS", True)
+            assert dynamic.plan_engine(model, [[5, 6, 7]], 4, kv_cache_gb=0.01).cuda_graphs
     if variant == "mixtral":
         for m in dynamic.moe_layers(model):
             monkeypatch.setattr(m.config, "moe_token_dispatcher_type", "flex")
