@@ -558,36 +558,50 @@ def test_multi_latent_attention_runs_on_the_dynamic_engine(variant, cpu_megatron
     dynamic.release_engine()
 
 
-def test_multi_latent_attention_keeps_its_rotary_tables_with_the_engine(cpu_megatron, monkeypatch):
+@pytest.mark.parametrize("rope", ["rope", "yarn"])
+def test_multi_latent_attention_keeps_its_rotary_tables_with_the_engine(cpu_megatron, monkeypatch, rope):
     """Multi-latent attention computes its rotary table inside the decoder block (GQA's comes in from the model, a
     graph input), read from megatron-core's lru_cache on `RotaryEmbedding.forward` (32 entries, process-wide),
     which `generate` clears after every call (`forget_inference_rope`). A CUDA graph reads the table's memory, not
     the object: the engine kept for the next call replayed its graphs over a freed table, so that call's tokens
     parted from eager decoding (the H200, 2026-12-04). The tables the MLA layers read live as long as the kept
     engine: the second call computes none and reads the first call's, alive between the calls, freed with the
-    engine; tokens as before."""
+    engine; tokens as before, and transformers' (with YaRN too, as DeepSeek's released models rotate: its
+    embedding returns the table with its concentration factor)."""
     import gc
     import weakref
 
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
 
+    from megatron_patch.conversion.engine import hf_to_megatron, load_rank_state_dict, make_plan
     from megatron_patch.inference import Sampling, dynamic, generate
+    from megatron_patch.models import build_model
     from megatron_patch.tokenizer import build_tokenizer
+    from tests.models import Case, any_config, checkpoint_state_dict, hf_model
+    from tests.parity.test_parity import YARN
 
-    c, model = _converted("deepseek_v3")
+    torch.manual_seed(0)
+    cfg = {**any_config("deepseek_v3"), **({"rope_scaling": YARN} if rope == "yarn" else {})}
+    hf = hf_model(cfg)
+    c = Case(cfg, checkpoint_state_dict(hf), hf)
+    model = build_model(cfg).eval()
+    load_rank_state_dict(model, hf_to_megatron(make_plan(cfg), c.sd.__getitem__, c.sd.keys())[(0, 0, 0)])
     tok = build_tokenizer(TINY_TOKENIZER)
     made = []  # the tables computed, as weak references
-    get_emb = RotaryEmbedding.get_emb
+    cls = YarnRotaryEmbedding if rope == "yarn" else RotaryEmbedding
+    get_emb = cls.get_emb
 
     def spy(self, *args, **kwargs):
         emb = get_emb(self, *args, **kwargs)
-        made.append(weakref.ref(emb))
+        made.append(weakref.ref(emb[0] if isinstance(emb, tuple) else emb))
         return emb
 
-    monkeypatch.setattr(RotaryEmbedding, "get_emb", spy)
+    monkeypatch.setattr(cls, "get_emb", spy)
     prompts = [[5, 6, 7], [(7 * i) % 997 + 2 for i in range(70)], [9, 10, 11, 12, 13, 14]]
     dynamic.release_engine()
     first = generate(model, tok, prompts, Sampling(6, top_k=1), engine="dynamic")
+    assert first == [_hf_greedy(c, p, 6) for p in prompts]
     gc.collect()
     assert made and all(r() is not None for r in made)  # alive with the kept engine
     count = len(made)

@@ -47,3 +47,31 @@ def test_build_model_takes_a_layout_and_still_the_old_tp_pp_form(cpu_megatron):
         build_model(c.cfg, 1, layout=Layout())
     with pytest.raises(TypeError, match="keyword-only"):
         build_model(c.cfg, 1, 1, "local")
+
+
+YARN = {"type": "yarn", "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32,
+        "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+
+
+@pytest.mark.parametrize("variant", ["deepseek_v2", "deepseek_v3"])
+@pytest.mark.parametrize("mscale_all_dim", [1.0, 0.707])
+def test_deepseek_yarn_logits_match_transformers(cpu_megatron, variant, mscale_all_dim):
+    """DeepSeek's released models rotate with YaRN (`rope_scaling`: factor 40, mscale_all_dim 1.0 in V3, 0.707 in
+    V2-Lite), which megatron-core's MLA builds as `YarnRotaryEmbedding`, its attention scale multiplied by the
+    concentration factor's square: logits of the converted model equal transformers' (CPU fp32), as the tiny
+    configs without scaling do above."""
+    from tests.models import Case, any_config, checkpoint_state_dict, hf_model
+
+    torch.manual_seed(0)
+    cfg = {**any_config(variant), "rope_scaling": {**YARN, "mscale_all_dim": mscale_all_dim}}
+    hf = hf_model(cfg)
+    c = Case(cfg, checkpoint_state_dict(hf), hf)
+    ranks = hf_to_megatron(make_plan(c.cfg, Layout()), c.sd.__getitem__, c.sd.keys())
+    model = build_model(c.cfg).eval()
+    load_rank_state_dict(model, ranks[(0, 0, 0)])
+    assert type(model.decoder.layers[0].self_attention.rotary_pos_emb).__name__ == "YarnRotaryEmbedding"
+    ids = fixed_prompts(c.vocab_size, batch=3, seq=48)
+    with torch.no_grad():
+        ref = c.ref(ids).logits
+    diff = (megatron_logits(model, ids, c.vocab_size) - ref).abs().max().item()
+    assert diff <= 1e-5, f"{variant}: max abs logit diff {diff}"
