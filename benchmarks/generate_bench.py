@@ -46,6 +46,9 @@ import time
 
 import torch
 
+# DeepSeek-V2-Lite's rotary embedding (its config.json): YaRN, as every released DeepSeek MLA model rotates
+V2_LITE_YARN = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}
 SHAPES = {  # LLaMA-3 widths, and DeepSeek's where a shape names its model type
     "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True),
@@ -61,7 +64,8 @@ SHAPES = {  # LLaMA-3 widths, and DeepSeek's where a shape names its model type
                     n_shared_experts=2, first_k_dense_replace=1, q_lora_rank=1536, kv_lora_rank=512,
                     qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, topk_method="greedy", n_group=1,
                     topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=False, vocab_size=102400,
-                    rope_theta=10000.0, tie_word_embeddings=False),
+                    rope_theta=10000.0, rope_scaling=V2_LITE_YARN, max_position_embeddings=163840,
+                    tie_word_embeddings=False),
     # Mixtral-8x7B's widths (8 experts of FFN 14336, top-2, vocab 32,000) with 8 of its 32 layers: 11.7B
     # parameters, 3.3B read a token
     "mixtral-8l": dict(architectures=["MixtralForCausalLM"], model_type="mixtral", hidden_size=4096,
@@ -78,7 +82,7 @@ SHAPES = {  # LLaMA-3 widths, and DeepSeek's where a shape names its model type
                      first_k_dense_replace=1, q_lora_rank=24, kv_lora_rank=16, qk_rope_head_dim=8,
                      qk_nope_head_dim=16, v_head_dim=16, topk_method="greedy", n_group=1, topk_group=1,
                      routed_scaling_factor=1.0, norm_topk_prob=False, vocab_size=1000, rope_theta=10000.0,
-                     tie_word_embeddings=False),
+                     rope_scaling=V2_LITE_YARN, tie_word_embeddings=False),
 }
 HF_RUNS = ("hf", "hf-static-compile")
 
