@@ -191,9 +191,18 @@ def case(variant: str) -> Case:
 
     if variant in REMOTE_VARIANTS:
         return REMOTE_VARIANTS[variant]()
-    cfg = any_config(variant)
+    return case_of(any_config(variant))
+
+
+def case_of(cfg: dict) -> Case:
+    """The case of a config.json (a tiny config with overrides): a random transformers model and its tensors."""
     hf = hf_model(cfg)
     return Case(cfg, checkpoint_state_dict(hf), hf)
+
+
+# YaRN as DeepSeek's released models rotate (`rope_scaling`; V3: mscale_all_dim 1.0, V2-Lite 0.707), at tiny lengths
+DEEPSEEK_YARN = {"type": "yarn", "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                 "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
 
 
 def all_variants() -> list[str]:

@@ -502,12 +502,12 @@ def _hf_greedy(c, prompt: list[int], n: int) -> list[int]:
         return seq[len(prompt):]
 
 
-def _converted(variant: str):
+def _converted(variant: str, **overrides):
     from megatron_patch.conversion.engine import hf_to_megatron, load_rank_state_dict, make_plan
     from megatron_patch.models import build_model
-    from tests.models import case
+    from tests.models import any_config, case, case_of
 
-    c = case(variant)
+    c = case_of({**any_config(variant), **overrides}) if overrides else case(variant)
     model = build_model(c.cfg).eval()
     load_rank_state_dict(model, hf_to_megatron(make_plan(c.cfg), c.sd.__getitem__, c.sd.keys())[(0, 0, 0)])
     return c, model
@@ -574,19 +574,12 @@ def test_multi_latent_attention_keeps_its_rotary_tables_with_the_engine(cpu_mega
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
 
-    from megatron_patch.conversion.engine import hf_to_megatron, load_rank_state_dict, make_plan
     from megatron_patch.inference import Sampling, dynamic, generate
-    from megatron_patch.models import build_model
     from megatron_patch.tokenizer import build_tokenizer
-    from tests.models import Case, any_config, checkpoint_state_dict, hf_model
-    from tests.parity.test_parity import YARN
+    from tests.models import DEEPSEEK_YARN
 
     torch.manual_seed(0)
-    cfg = {**any_config("deepseek_v3"), **({"rope_scaling": YARN} if rope == "yarn" else {})}
-    hf = hf_model(cfg)
-    c = Case(cfg, checkpoint_state_dict(hf), hf)
-    model = build_model(cfg).eval()
-    load_rank_state_dict(model, hf_to_megatron(make_plan(cfg), c.sd.__getitem__, c.sd.keys())[(0, 0, 0)])
+    c, model = _converted("deepseek_v3", **({"rope_scaling": DEEPSEEK_YARN} if rope == "yarn" else {}))
     tok = build_tokenizer(TINY_TOKENIZER)
     made = []  # the tables computed, as weak references
     cls = YarnRotaryEmbedding if rope == "yarn" else RotaryEmbedding

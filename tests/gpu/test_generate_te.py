@@ -253,12 +253,11 @@ def _tiny_te_model(cfg: dict, folder: str):
     TP = PP = 1: (our model, the HF model in bf16 on the GPU)."""
     from megatron_patch.inference import load_model
     from megatron_patch.runtime.parallel import ensure_model_parallel
-    from tests.models import Case, checkpoint_state_dict, hf_model, save_case
+    from tests.models import case_of, save_case
 
     ensure_model_parallel(1, 1)
     torch.manual_seed(0)
-    ref = hf_model(cfg)
-    c = Case(cfg, checkpoint_state_dict(ref), ref)
+    c = case_of(cfg)
     model, _ = load_model(None, save_case(c, folder), impl="transformer_engine", dtype=torch.bfloat16)
     return model, c.ref.to("cuda", torch.bfloat16).eval()
 

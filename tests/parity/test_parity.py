@@ -8,19 +8,23 @@ from megatron_patch.conversion.engine import hf_to_megatron, load_rank_state_dic
 from megatron_patch.conversion.verify import fixed_prompts
 from megatron_patch.models import Layout, build_model
 from megatron_patch.runtime.logits import megatron_logits
-from tests.models import all_variants, case
+from tests.models import DEEPSEEK_YARN, Case, all_variants, any_config, case, case_of
 
 
-@pytest.mark.parametrize("variant", all_variants())
-def test_logits_match_transformers(cpu_megatron, variant):
-    c = case(variant)
+def _converted_logits(c: Case):
+    """Our logits, transformers' and our model, for the case converted at TP = PP = 1 (CPU fp32)."""
     ranks = hf_to_megatron(make_plan(c.cfg, Layout()), c.sd.__getitem__, c.sd.keys())
     model = build_model(c.cfg).eval()
     load_rank_state_dict(model, ranks[(0, 0, 0)])
     ids = fixed_prompts(c.vocab_size, batch=3, seq=48)
     with torch.no_grad():
         ref = c.ref(ids).logits
-    out = megatron_logits(model, ids, c.vocab_size)
+    return megatron_logits(model, ids, c.vocab_size), ref, model
+
+
+@pytest.mark.parametrize("variant", all_variants())
+def test_logits_match_transformers(cpu_megatron, variant):
+    out, ref, _ = _converted_logits(case(variant))
     assert out.shape == ref.shape
     diff = (out - ref).abs().max().item()
     assert diff <= 1e-5, f"{variant}: max abs logit diff {diff}"
@@ -49,10 +53,6 @@ def test_build_model_takes_a_layout_and_still_the_old_tp_pp_form(cpu_megatron):
         build_model(c.cfg, 1, 1, "local")
 
 
-YARN = {"type": "yarn", "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32,
-        "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
-
-
 @pytest.mark.parametrize("variant", ["deepseek_v2", "deepseek_v3"])
 @pytest.mark.parametrize("mscale_all_dim", [1.0, 0.707])
 def test_deepseek_yarn_logits_match_transformers(cpu_megatron, variant, mscale_all_dim):
@@ -60,18 +60,9 @@ def test_deepseek_yarn_logits_match_transformers(cpu_megatron, variant, mscale_a
     V2-Lite), which megatron-core's MLA builds as `YarnRotaryEmbedding`, its attention scale multiplied by the
     concentration factor's square: logits of the converted model equal transformers' (CPU fp32), as the tiny
     configs without scaling do above."""
-    from tests.models import Case, any_config, checkpoint_state_dict, hf_model
-
     torch.manual_seed(0)
-    cfg = {**any_config(variant), "rope_scaling": {**YARN, "mscale_all_dim": mscale_all_dim}}
-    hf = hf_model(cfg)
-    c = Case(cfg, checkpoint_state_dict(hf), hf)
-    ranks = hf_to_megatron(make_plan(c.cfg, Layout()), c.sd.__getitem__, c.sd.keys())
-    model = build_model(c.cfg).eval()
-    load_rank_state_dict(model, ranks[(0, 0, 0)])
+    out, ref, model = _converted_logits(case_of({**any_config(variant),
+                                                 "rope_scaling": {**DEEPSEEK_YARN, "mscale_all_dim": mscale_all_dim}}))
     assert type(model.decoder.layers[0].self_attention.rotary_pos_emb).__name__ == "YarnRotaryEmbedding"
-    ids = fixed_prompts(c.vocab_size, batch=3, seq=48)
-    with torch.no_grad():
-        ref = c.ref(ids).logits
-    diff = (megatron_logits(model, ids, c.vocab_size) - ref).abs().max().item()
+    diff = (out - ref).abs().max().item()
     assert diff <= 1e-5, f"{variant}: max abs logit diff {diff}"
