@@ -24,7 +24,7 @@ runs them with continuous batching, at most --max-requests in flight (a finished
 and KV cache blocks for a waiting one), over a paged KV cache of --kv-cache-gb per GPU (default: what the
 in-flight requests of the longest length need, at most half the GPU memory the weights leave), CUDA graphs
 on a GPU (--cuda-graph-impl). The static one runs fixed batches of --max-requests prompts. auto (the
-default) picks the dynamic engine, and the static one for multi-latent attention (DeepSeek) on a GPU.
+default) picks the dynamic engine.
 TP / PP / EP > 1 under torchrun.
 """
 
@@ -169,8 +169,7 @@ def parser() -> argparse.ArgumentParser:
                    "and \\\\ in them are a newline, tab, carriage return and backslash")
     p.add_argument("--engine", choices=ENGINES, default="auto",
                    help="megatron-core's inference engine: dynamic (continuous batching, paged KV cache, CUDA "
-                   "graphs on a GPU; TP/PP/EP; not ALiBi or multi-latent attention), static (fixed batches; "
-                   "TP/EP, not PP), auto: dynamic, static for ALiBi / multi-latent attention")
+                   "graphs on a GPU; TP/PP/EP), static (fixed batches; TP/EP, not PP), auto: dynamic")
     p.add_argument("--max-requests", "--inference-max-requests", "--batch-size", dest="max_requests",
                    type=positive_int, default=None, metavar="N",
                    help="requests generated together: in flight at once on the dynamic engine (a finished "
@@ -182,9 +181,10 @@ def parser() -> argparse.ArgumentParser:
                    "the longest length need, at most half the GPU memory the weights leave)")
     p.add_argument("--cuda-graph-impl", choices=("local", "none"), default=None,
                    help="dynamic engine: local captures megatron-core's inference CUDA graphs (block scope); "
-                   "none: eager (default: local on a GPU at --pp 1 and --ep 1 for models without MoE layers or "
-                   "multi-latent attention, else none; MoE layers when asked: decode steps, each expert padded to "
-                   "capacity; multi-latent attention's are refused)")
+                   "none: eager (default: local on a GPU at --pp 1 and --ep 1, else none; MoE layers: dropless "
+                   "where few experts are chosen in a step, else decode steps with each expert padded to "
+                   "capacity; multi-latent attention: decode steps where its Triton kernel decodes, 16-bit at "
+                   "DeepSeek's widths, refused with the reason elsewhere)")
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
                    help="print the text to stderr as it is generated (default: on for one prompt on a terminal)")
     return p

@@ -199,10 +199,11 @@ def choose_engine(model, engine: str = "auto") -> str:
       and EP; not PP > 1);
     - "dynamic": `DynamicInferenceEngine` (continuous batching over a paged KV cache, CUDA graphs on a GPU;
       TP, PP and EP; ALiBi through the `alibi_paged_attention` patch; multi-latent attention through
-      `mla_latent_cache`, on a CPU so far: `unsupported_attention`);
-    - "auto": the dynamic engine wherever it runs the model; the static one for multi-latent attention
-      (DeepSeek) on a GPU. Measured on one H200 (docs/benchmarks.md, 1B widths): the dynamic engine with CUDA graphs
-      is 3.0x HF `generate` at 1 request and 3.3x at 32; the static engine is slower than HF (0.37x)."""
+      `mla_latent_cache`, with CUDA graphs on a GPU since 2026-12-05: `dynamic.MLA_ON_GPU`);
+    - "auto": the dynamic engine wherever it runs the model (`unsupported_attention`: everywhere, unless
+      `dynamic.MLA_ON_GPU` is switched off). Measured on one H200 (docs/benchmarks.md): the dynamic engine with CUDA
+      graphs is 4.4x HF `generate` at 1 request at 1B widths and 5.7x at 32; the static engine is slower than HF
+      (0.37x at 1B) and 12x slower than the dynamic engine at DeepSeek-V2-Lite's widths."""
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
     if engine != "auto":

@@ -75,13 +75,19 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 MLA_HEADS_PER_PROGRAM = 16  # query heads a program attends for (the smallest row count of a tensor-core product)
 
 
+def mla_kernel_takes(dtype: torch.dtype, rank: int, rope: int) -> bool:
+    """Whether `mla_decode_attention` takes a model's widths: 16-bit, a latent of 16..512 and a rotated part of
+    16..128 dims (powers of two; DeepSeek: 512 and 64)."""
+    return (dtype in (torch.bfloat16, torch.float16) and rank & (rank - 1) == 0 and 16 <= rank <= 512
+            and rope & (rope - 1) == 0 and 16 <= rope <= 128)
+
+
 def mla_supports(q: torch.Tensor, latents: torch.Tensor, rank: int) -> bool:
-    """Shapes `mla_decode_attention` takes: 16-bit inputs, a latent of 16..512 and a rotated part of 16..128
-    dims (powers of two; DeepSeek: 512 and 64), pages of whole tiles."""
-    rope = latents.shape[-1] - rank
-    return (q.dtype in (torch.bfloat16, torch.float16) and latents.dtype == q.dtype and q.shape[-1] == latents.shape[-1]
-            and rank & (rank - 1) == 0 and 16 <= rank <= 512 and rope & (rope - 1) == 0 and 16 <= rope <= 128
-            and latents.shape[1] % BLOCK_T == 0 and q.stride(-1) == latents.stride(-1) == 1)
+    """Tensors `mla_decode_attention` takes: the widths of `mla_kernel_takes`, one dtype, pages of whole tiles,
+    contiguous last dims."""
+    return (mla_kernel_takes(q.dtype, rank, latents.shape[-1] - rank) and latents.dtype == q.dtype
+            and q.shape[-1] == latents.shape[-1] and latents.shape[1] % BLOCK_T == 0
+            and q.stride(-1) == latents.stride(-1) == 1)
 
 
 def mla_decode_attention(q: torch.Tensor, latents: torch.Tensor, block_table: torch.Tensor, seqlens_k: torch.Tensor,

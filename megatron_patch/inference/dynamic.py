@@ -2,8 +2,8 @@
 `DynamicInferenceContext`): continuous batching over a paged KV cache sized by `plan_engine`, CUDA graphs on
 a GPU (`set_inference_cuda_graphs`), stop strings through the controller's stop-word callback, the engine
 kept between calls while it fits (`release_engine` frees it). TP, PP and EP; ALiBi through the
-`alibi_paged_attention` patch; multi-latent attention through the `mla_latent_cache` patch (on a CPU so far:
-`unsupported_attention`)."""
+`alibi_paged_attention` patch; multi-latent attention through the `mla_latent_cache` patch (on a GPU since
+2026-12-05, `MLA_ON_GPU`; its CUDA graphs, `MLA_GRAPHS`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from megatron_patch import compat
-from megatron_patch.inference import moe_dropless
+from megatron_patch.inference import decode_attention, moe_dropless
 from megatron_patch.inference.sampling import Sampling
 from megatron_patch.inference.stops import holds_stop, stop_window
 
@@ -68,17 +68,20 @@ DECODE_ROPE: bool | None = None
 # off): one request 6.62 -> 5.99 ms a step, 32 requests 7.81 -> 6.54 ms.
 SAMPLING_NO_SYNC: bool = True
 # Multi-latent attention (DeepSeek) on the dynamic engine on a GPU (the `mla_latent_cache` patch: latents in the
-# paged cache, prefill in torch, decode on our Triton kernel). Off until measured there: on a GPU `auto` keeps
-# MLA models on the static engine (`unsupported_attention`); the GPU test `test_mla_on_the_dynamic_engine_equals_hf`
-# turns it on.
-MLA_ON_GPU: bool = False
-# CUDA graphs of multi-latent attention's decode steps. Off: on the H200 (2026-12-04) a dense DeepSeek-V3 with
-# graphs generated other tokens than without them from the first decode step on (3 of 4 prompts; HF margins up
-# to 0.31, not near-ties). Cause found on a CPU since (2026-12-05): the MLA layers read their rotary table inside the
-# graphed block from megatron-core's lru_cache, which `generate` clears after each call, so the kept engine's graphs
-# read freed memory in its next call; the tables now live with the engine (`_kept_rotary_table`). On once the GPU
-# test `test_mla_cuda_graphs_equal_eager` passes there.
-MLA_GRAPHS: bool = False
+# paged cache, prefill in torch, decode on our Triton kernel). On since the H200 smoke of 2026-12-05: a dense
+# DeepSeek-V3 generates HF's greedy tokens there (`test_mla_on_the_dynamic_engine_equals_hf`), and v2-lite with
+# graphs decodes 12x faster than the static engine (1 request: 8.2 ms a token against 99.6; docs/benchmarks.md).
+# Off: `auto` keeps MLA models on the static engine on a GPU (`unsupported_attention`).
+MLA_ON_GPU: bool = True
+# CUDA graphs of multi-latent attention's decode steps. On since the H200 smoke of 2026-12-05: a dense DeepSeek-V3's
+# graphs give its eager tokens in a fresh engine's first call and the kept engine's second, on TE's layers and
+# megatron-core's local ones, and with MoE layers padded or dropless (`test_mla_cuda_graphs_equal_eager`,
+# `test_mla_and_moe_cuda_graphs_equal_eager`). On 2026-12-04 they had not: the MLA layers read their rotary table
+# inside the graphed block from megatron-core's lru_cache, which `generate` clears after each call, so the kept
+# engine's graphs read freed memory; the tables now live with the engine (`_kept_rotary_table`). Graphs of the torch
+# decode (widths the Triton kernel does not take, `decode_attention.mla_kernel_takes`) stay refused until that
+# test's torch-decode case has compared them with its own eager decoding on a GPU (`graphs_refused`).
+MLA_GRAPHS: bool = True
 # CUDA graphs of MoE layers' decode steps by default (`moe_graph_dispatch`: the all-to-all dispatcher padded to
 # capacity, or dropless below). On since the H200 smoke of 2026-12-05: a small Mixtral's graphs, padded and dropless,
 # gave its eager tokens, 5.6x / 7.2x faster than eager (`test_moe_on_the_dynamic_engine_equals_hf`); mixtral-8l
@@ -204,8 +207,13 @@ def graphs_refused(model, latent: bool, moe: list) -> str | None:
                 "dispatcher reads each expert's token count on the host, which a graph cannot capture; "
                 "generate without CUDA graphs")
     if latent and not MLA_GRAPHS:
-        return ("CUDA graphs of multi-latent attention: their tokens differed from eager decoding on the H200 "
-                "(dynamic.MLA_GRAPHS); generate without CUDA graphs")
+        return ("CUDA graphs of multi-latent attention are switched off (dynamic.MLA_GRAPHS); "
+                "generate without CUDA graphs")
+    if latent and not decode_attention.mla_kernel_takes(model.config.params_dtype, model.config.kv_lora_rank,
+                                                        model.config.qk_pos_emb_head_dim):
+        return ("CUDA graphs of multi-latent attention decoded in torch (widths or dtype the Triton kernel does not "
+                "take, decode_attention.mla_kernel_takes): not yet compared with eager decoding on a GPU; "
+                "generate without CUDA graphs")
     return None
 
 

@@ -165,8 +165,8 @@ def add_loop_args(parser, prompts_per_step: int, out_help: str, seed_help: str, 
 
     add_model_args(parser)
     parser.add_argument("--engine", choices=ENGINES, default="auto",
-                        help="inference engine of the rollouts (auto: dynamic, static for ALiBi / multi-latent "
-                             "attention; samples are reproducible for the same engine)")
+                        help="inference engine of the rollouts (auto: the dynamic one; samples are reproducible "
+                             "for the same engine)")
     parser.add_argument("--prompts", required=True, help="JSONL prompts (`prompt` text or chat `messages`)")
     parser.add_argument("--chat", action="store_true", help="render plain prompts with the chat template")
     parser.add_argument("--prompts-per-step", type=positive_int, default=prompts_per_step,

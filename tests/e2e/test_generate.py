@@ -677,13 +677,17 @@ def test_multi_latent_attention_with_a_fused_kv_norm_on_the_dynamic_engine(cpu_m
     dynamic.release_engine()
 
 
-def test_multi_latent_attention_stays_on_the_static_engine_on_a_gpu(cpu_megatron, monkeypatch):
-    """On a GPU the latent path (TE's fused layers, the Triton decode kernel) is not yet measured: `auto` keeps
-    DeepSeek on the static engine, and `unsupported_attention` gives the reason the dynamic engine refuses with."""
+def test_multi_latent_attention_takes_the_dynamic_engine_on_a_gpu(cpu_megatron, monkeypatch):
+    """On a GPU `auto` puts DeepSeek on the dynamic engine since the H200 smoke of 2026-12-05 (`dynamic.MLA_ON_GPU`:
+    HF's tokens there, 12x the static engine's decoding speed at v2-lite); with the switch off, the static engine, and
+    `unsupported_attention` gives the reason the dynamic engine refuses with."""
     from megatron_patch.inference import choose_engine, dynamic
 
     _, model = _converted("deepseek_v3")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert dynamic.unsupported_attention(model) is None
+    assert choose_engine(model) == "dynamic"
+    monkeypatch.setattr(dynamic, "MLA_ON_GPU", False)
     assert "multi-latent attention" in dynamic.unsupported_attention(model)
     assert choose_engine(model) == "static"
 
@@ -694,9 +698,10 @@ def test_moe_and_latent_attention_plan_their_cuda_graphs(variant, cpu_megatron, 
     which a CUDA graph cannot capture (on the H200, 2026-12-04: `Cannot copy between CPU and CUDA tensors during
     CUDA graph capture`, all-gather dispatcher): the engine captures MoE layers on the all-to-all dispatcher padded
     to capacity (`moe_graph_dispatch`, tested above), so MoE models get graphs on a GPU as dense ones do; the flex
-    dispatcher, which has no such mode here, is refused with the reason. Multi-latent attention's graphs stay off
-    and are refused (`dynamic.MLA_GRAPHS`) until they decode as eagerly."""
-    from megatron_patch.inference import dynamic
+    dispatcher, which has no such mode here, is refused with the reason. Multi-latent attention's graphs (on since
+    the H200 smoke of 2026-12-05, `dynamic.MLA_GRAPHS`) where the Triton kernel decodes (`mla_kernel_takes`: 16-bit,
+    DeepSeek's widths); refused with the reason where torch decodes (these tiny fp32 models, a rotated part of 8)."""
+    from megatron_patch.inference import decode_attention, dynamic
     from megatron_patch.models import build_model
     from tests.models import case
 
@@ -711,11 +716,11 @@ def test_moe_and_latent_attention_plan_their_cuda_graphs(variant, cpu_megatron, 
         assert dynamic.plan_engine(model, [[5, 6, 7]], 4, kv_cache_gb=0.01, cuda_graphs=True).cuda_graphs
     monkeypatch.setattr(dynamic, "MOE_GRAPHS", True)
     plan = dynamic.plan_engine(model, [[5, 6, 7]], 4, kv_cache_gb=0.01)
-    assert plan.cuda_graphs == (variant == "mixtral")  # (DeepSeek-V3: multi-latent attention)
+    assert plan.cuda_graphs == (variant == "mixtral")  # (DeepSeek-V3: multi-latent attention decoded in torch)
     assert not plan.non_decode_graphs  # (a prefill padded to capacity: a row per expert for each of its tokens)
-    if variant == "deepseek_v3":  # with multi-latent attention's graphs on, its MoE layers are captured as Mixtral's
+    if variant == "deepseek_v3":  # where the Triton kernel decodes, its MoE layers are captured as Mixtral's
         with monkeypatch.context() as m:
-            m.setattr(dynamic, "MLA_GRAPHS", True)
+            m.setattr(decode_attention, "mla_kernel_takes", lambda *args: True)
             assert dynamic.plan_engine(model, [[5, 6, 7]], 4, kv_cache_gb=0.01).cuda_graphs
     if variant == "mixtral":
         for m in dynamic.moe_layers(model):
@@ -725,15 +730,19 @@ def test_moe_and_latent_attention_plan_their_cuda_graphs(variant, cpu_megatron, 
             dynamic.plan_engine(model, [[5, 6, 7]], 4, kv_cache_gb=0.01, cuda_graphs=True)
     _, dense = _converted("gqa")
     assert dynamic.plan_engine(dense, [[5, 6, 7]], 4, kv_cache_gb=0.01).cuda_graphs
-    # DeepSeek with no MoE layer (all dense: first_k_dense_replace = layers): multi-latent attention's graphs
-    # stay off until they decode as eagerly (`dynamic.MLA_GRAPHS`, off after the H200 run of 2026-12-04)
+    # DeepSeek with no MoE layer (all dense: first_k_dense_replace = layers): multi-latent attention's graphs where
+    # the Triton kernel decodes; where torch does, and with `dynamic.MLA_GRAPHS` off, refused with the reason
     c = case("deepseek_v3")
     dense = build_model({**c.cfg, "first_k_dense_replace": c.cfg["num_hidden_layers"]}).eval()
     assert dense.config.num_moe_experts and not dynamic.plan_engine(dense, [[5, 6, 7]], 4, kv_cache_gb=0.01).cuda_graphs
-    with pytest.raises(ValueError, match="CUDA graphs of multi-latent attention"):
+    with pytest.raises(ValueError, match="multi-latent attention decoded in torch"):
         dynamic.plan_engine(dense, [[5, 6, 7]], 4, kv_cache_gb=0.01, cuda_graphs=True)
-    monkeypatch.setattr(dynamic, "MLA_GRAPHS", True)
+    monkeypatch.setattr(decode_attention, "mla_kernel_takes", lambda *args: True)
     assert dynamic.plan_engine(dense, [[5, 6, 7]], 4, kv_cache_gb=0.01).cuda_graphs
+    monkeypatch.setattr(dynamic, "MLA_GRAPHS", False)
+    assert not dynamic.plan_engine(dense, [[5, 6, 7]], 4, kv_cache_gb=0.01).cuda_graphs
+    with pytest.raises(ValueError, match="switched off"):
+        dynamic.plan_engine(dense, [[5, 6, 7]], 4, kv_cache_gb=0.01, cuda_graphs=True)
 
 
 @pytest.mark.parametrize("variant", ["mixtral", "qwen2_moe", "deepseek_v3"])

@@ -196,6 +196,13 @@ def test_mla_decode_attention_takes_deepseeks_shapes_only():
     assert not decode_attention.mla_supports(q.float(), latents.float(), 512)  # fp32: the torch path
     assert not decode_attention.mla_supports(q[..., :24], latents[..., :24], 16)  # a rotated part of 8 dims
     assert not decode_attention.mla_supports(q, torch.zeros(9, 32, 576, dtype=torch.bfloat16), 512)  # pages of 32
+    # a model's widths, as the engine's CUDA-graph plan asks before any tensor exists (`dynamic.graphs_refused`)
+    assert decode_attention.mla_kernel_takes(torch.bfloat16, 512, 64)
+    assert decode_attention.mla_kernel_takes(torch.float16, 16, 16)
+    assert not decode_attention.mla_kernel_takes(torch.float32, 512, 64)
+    assert not decode_attention.mla_kernel_takes(torch.bfloat16, 16, 8)
+    assert not decode_attention.mla_kernel_takes(torch.bfloat16, 1024, 64)
+    assert not decode_attention.mla_kernel_takes(torch.bfloat16, 384, 64)
 
 
 def test_split_kv_decode_attention_splits_to_fill_the_gpu():
