@@ -13,9 +13,10 @@ layers, 64 experts, with a query latent); a mixture of experts at Mixtral-8x7B's
 (`mixtral-8l`; `--moe-dispatch`: the engine's own choice, `auto`, or its MoE layers always dropless on grouped
 GEMMs or always on megatron-core's dispatchers, padded under CUDA graphs; each row names the path it ran, from
 the engine's plan); random bf16 weights
-made by transformers and converted in memory. On a GPU the dynamic engine runs multi-latent attention only with
-`--mla-gpu` (`dynamic.MLA_ON_GPU`, off until measured), with CUDA graphs of its decode steps only with
-`--mla-graphs` too (`dynamic.MLA_GRAPHS`, off until measured).
+made by transformers and converted in memory. On a GPU the dynamic engine runs multi-latent attention with CUDA
+graphs of its decode steps, as `generate` does by default since 2026-12-05; `--no-mla-graphs` leaves the graphs
+out (`dynamic.MLA_GRAPHS`), `--no-mla-gpu` puts DeepSeek's models on the static engine as before
+(`dynamic.MLA_ON_GPU`). (`--mla-gpu` and `--mla-graphs`, which switched them on before, are still accepted.)
 Requests: a JSONL file of prompts (`{"prompt_ids": [...]}`, random token ids, lengths uniform in
 [--min-prompt, --max-prompt], seed 0; written to --prompts if that file does not exist, else read from it);
 a row with N requests takes the file's first N. Greedy, no early stop: every request produces exactly
@@ -36,6 +37,7 @@ by --bandwidth-tb-s (4.8 for the H200). Peak memory: torch.cuda.max_memory_alloc
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import importlib.metadata
@@ -43,6 +45,7 @@ import json
 import os
 import random
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -319,11 +322,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--cuda-graph-impl", choices=["local", "none"], default=None,
                     help="our CUDA graphs (default: on a GPU)")
     ap.add_argument("--bandwidth-tb-s", type=float, default=4.8, help="memory bandwidth for the bound (H200: 4.8)")
-    ap.add_argument("--mla-gpu", action="store_true",
-                    help="multi-latent attention on the dynamic engine on a GPU (dynamic.MLA_ON_GPU: off by default)")
-    ap.add_argument("--mla-graphs", action="store_true",
-                    help="with --mla-gpu, CUDA graphs of multi-latent attention's decode steps too "
-                         "(dynamic.MLA_GRAPHS: off by default)")
+    ap.add_argument("--no-mla-gpu", action="store_true",
+                    help="multi-latent attention (DeepSeek) on the static engine on a GPU (dynamic.MLA_ON_GPU off)")
+    ap.add_argument("--no-mla-graphs", action="store_true",
+                    help="no CUDA graphs of multi-latent attention's decode steps (dynamic.MLA_GRAPHS off)")
+    for old in ("--mla-gpu", "--mla-graphs"):  # the switches before they were defaults (docs/benchmarks.md)
+        ap.add_argument(old, action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--moe-dispatch", choices=["auto", "dropless", "padded"], default="auto",
                     help="MoE layers: auto = the engine's choice (dynamic.MOE_DROPLESS, dynamic.dropless_pays); "
                          "dropless = grouped GEMMs at every request count; padded = megatron-core's dispatchers "
@@ -332,11 +336,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a = ap.parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no GPU here (use --shapes tiny --device cpu --impl local --dtype fp32)")
-    if a.mla_graphs and not a.mla_gpu:
-        ap.error("--mla-graphs needs --mla-gpu (graphs of multi-latent attention on the dynamic engine)")
     if min(a.requests) < 1 or a.new < 2 or not 1 <= a.min_prompt <= a.max_prompt:
         ap.error("--requests >= 1, --new >= 2 and 1 <= --min-prompt <= --max-prompt")
     return a
+
+
+@contextlib.contextmanager
+def mla_switches(no_gpu: bool, no_graphs: bool) -> Iterator[None]:
+    """`dynamic.MLA_ON_GPU` and `dynamic.MLA_GRAPHS` off as asked, for the rows; put back after."""
+    from megatron_patch.inference import dynamic
+
+    saved = dynamic.MLA_ON_GPU, dynamic.MLA_GRAPHS
+    dynamic.MLA_ON_GPU, dynamic.MLA_GRAPHS = saved[0] and not no_gpu, saved[1] and not no_graphs
+    try:
+        yield
+    finally:
+        dynamic.MLA_ON_GPU, dynamic.MLA_GRAPHS = saved
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -353,15 +368,11 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"error: {path} has {len(prompts)} prompts, fewer than --requests {max(a.requests)}")
     from megatron_patch.inference import dynamic
 
-    if a.mla_gpu:
-        dynamic.MLA_ON_GPU = True
-    if a.mla_graphs:
-        dynamic.MLA_GRAPHS = True
     info = versions()
     print(json.dumps(info), flush=True)
     timer = Timer(a.device, a.repeat)
     rows = []
-    with dynamic.moe_dispatch(a.moe_dispatch):
+    with dynamic.moe_dispatch(a.moe_dispatch), mla_switches(a.no_mla_gpu, a.no_mla_graphs):
         for shape in a.shapes:
             rows.extend(run_shape(a, shape, prompts, timer))
             if a.device == "cuda":  # this shape's models are gone: free their memory for the next
