@@ -5,8 +5,11 @@
 #
 #   bash tests/gpu/run_suite.sh smoke    # every GPU path once: a TE family vs HF, the converter's verify, generation
 #                                        # on both engines, 5 iterations bf16 and fp8, a LoRA run, PPO and GRPO steps,
-#                                        # evaluate and an lm-eval run, HybridModel under TE (~4 min on one H200).
+#                                        # evaluate and an lm-eval run, HybridModel under TE (~4 min on one H200 on
+#                                        # 2026-12-05 morning; ~10 min by its evening, MLA and MoE graph tests added).
 #                                        # Any change to code on a GPU path runs it before it lands.
+#   bash tests/gpu/run_suite.sh smoke-gen    # the smoke in two calls: its generation tests (test_generate_te.py)
+#   bash tests/gpu/run_suite.sh smoke-other  # ... and the others
 #   bash tests/gpu/run_suite.sh quick    # every GPU test but the two proofs (~5 min; NCCL / MoE tests need 2 GPUs)
 #   bash tests/gpu/run_suite.sh rest     # quick without the smoke tests: after `smoke`, the rest of quick
 #   bash tests/gpu/run_suite.sh proofs   # the training proof and the RLHF proof: more than one call's 10 minutes
@@ -33,12 +36,14 @@ export TORCHDYNAMO_DISABLE=${TORCHDYNAMO_DISABLE:-0} NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 case "$part" in
   smoke) sel=(tests/gpu -m smoke) ;;
+  smoke-gen) sel=(tests/gpu/test_generate_te.py -m smoke) ;;
+  smoke-other) sel=(tests/gpu -m smoke --ignore=tests/gpu/test_generate_te.py) ;;
   quick) sel=(tests/gpu -m "not widths" -k "not train_proof and not rlhf_proof") ;;
   rest) sel=(tests/gpu -m "not smoke and not widths" -k "not train_proof and not rlhf_proof") ;;
   widths) sel=(tests/gpu -m widths) ;;
   proofs) sel=(tests/gpu/test_train_proof.py tests/gpu/test_rlhf_proof.py) ;;
   all) sel=(tests/gpu) ;;
-  *) echo "error: unknown part '$part' (smoke, quick, rest, proofs, widths or all)" >&2; exit 2 ;;
+  *) echo "error: unknown part '$part' (smoke, smoke-gen, smoke-other, quick, rest, proofs, widths or all)" >&2; exit 2 ;;
 esac
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 GPU_REPORT=$OUT/gpu_$part.jsonl python3 -m pytest -q -p no:warnings -p no:cacheprovider -rf --durations=8 "${sel[@]}" "${@:2}" 2>&1 | tee "$OUT/gpu_$part.log" | tail -40
