@@ -2,11 +2,25 @@
 
 import gzip
 import json
+import os
 
 import pytest
 import torch
 
 from tests.gpu.test_te import GPU_CFG
+
+
+def pytest_runtest_logreport(report):
+    """Each test's outcome and seconds as it finishes, one JSON line in `$GPU_REPORT.tests` (run_suite.sh: a call
+    cut by its time limit still tells which tests ran, which failed and why, and what took the time)."""
+    path = os.environ.get("GPU_REPORT")
+    if path and (report.when == "call" or report.outcome != "passed"):
+        row = {"test": report.nodeid, "when": report.when, "outcome": report.outcome,
+               "seconds": round(report.duration, 1)}
+        if report.failed:
+            row["why"] = str(report.longrepr)[-1500:]
+        with open(path + ".tests", "a") as f:
+            f.write(json.dumps(row) + "\n")
 
 
 def trained_hf_folder(path: str, steps: int = 400, device: str = "cuda") -> tuple[str, list[list[int]], float]:

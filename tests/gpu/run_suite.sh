@@ -22,7 +22,8 @@
 # The lm-eval tests need lm-evaluation-harness staged too (`bash benchmarks/stage_wheels.sh fa4 lmeval` here); the
 # dynamic inference engine needs FlashAttention-4 (fa4).
 #
-# Reports: $OUT/gpu_<part>.jsonl (rows of tests/gpu/last_results.jsonl) and $OUT/gpu_<part>.log; the last lines
+# Reports: $OUT/gpu_<part>.jsonl (rows of tests/gpu/last_results.jsonl), $OUT/gpu_<part>.jsonl.tests (each test's
+# outcome and seconds as it finishes, the failure's reason) and $OUT/gpu_<part>.log; the last lines
 # printed are pytest's summary. Record the outcome with its date in tests/gpu/RESULTS.md.
 set -uo pipefail
 part=${1:-quick}
