@@ -913,6 +913,18 @@ def _rope_serves(t: torch.Tensor, freqs: torch.Tensor, config, cu_seqlens, mscal
             and decode_rope.serves(t, freqs))
 
 
+def _mla_rope_serves(t: torch.Tensor, freqs: torch.Tensor, config, cu_seqlens, cp_group) -> bool:
+    """Whether the dynamic context's RoPE call is multi-latent attention's that `inference.decode_rope.mla_rope`
+    does with the original's arithmetic (megatron-core's unfused `_apply_rotary_pos_emb_bshd`, which MLA always
+    takes: TE's fused RoPE has neither its interleaving nor YaRN's mscale): `decode_rope.MLA_ROPE` on, no packed
+    `cu_seqlens`, no mRoPE, no rotate-half interleaving, one context-parallel rank, tensors the kernel takes."""
+    from megatron_patch.inference import decode_rope
+
+    return (decode_rope.MLA_ROPE and config.multi_latent_attention and cu_seqlens is None
+            and getattr(config, "mrope_section", None) is None and not config.rotary_interleaved
+            and (cp_group is None or cp_group.size() == 1) and decode_rope.mla_serves(t, freqs))
+
+
 @register("fused_decode_rope", ">=0.18.2,<0.20")
 def _fused_decode_rope() -> Callable[[], None] | None:
     """The dynamic engine's rotary embedding in one kernel each for queries and keys (`inference.decode_rope`),
@@ -924,12 +936,14 @@ def _fused_decode_rope() -> Callable[[], None] | None:
     `padded_active_token_count` tokens at `gpu_view.token_to_pos_ids` (queries) / `token_to_position_in_request`
     (keys) and return the query tensor / the rotated keys (only those tokens' rows in a decode-only step).
     Calls `_rope_serves` declines run the original. Needs a GPU and Triton (tests: Triton's interpreter); applied by
-    the dynamic engine (`inference.dynamic.DECODE_ROPE`)."""
+    the dynamic engine (`inference.dynamic.DECODE_ROPE`). Multi-latent attention's calls (DeepSeek) likewise through
+    `decode_rope.mla_rope` where `_mla_rope_serves` (`decode_rope.MLA_ROPE`): in place as the original writes
+    back, except a decode-only step's keys, which the original returns as a new tensor."""
     if not _gpu_with_triton():
         return None
     from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
 
-    from megatron_patch.inference.decode_rope import rope_
+    from megatron_patch.inference.decode_rope import mla_rope, rope_
 
     query_original = DynamicInferenceContext.apply_rotary_emb_query
     key_original = DynamicInferenceContext.apply_rotary_emb_key
@@ -937,18 +951,30 @@ def _fused_decode_rope() -> Callable[[], None] | None:
     @functools.wraps(query_original)
     def apply_rotary_emb_query(self, query, query_emb, config, cu_seqlens_q, cp_group, mscale=1.0):
         n = self.padded_active_token_count
-        if not _rope_serves(query[:n], query_emb, config, cu_seqlens_q, mscale, cp_group):
+        positions = self.gpu_view.token_to_pos_ids[:n]
+        if _mla_rope_serves(query[:n], query_emb, config, cu_seqlens_q, cp_group):
+            mla_rope(query[:n], query_emb, positions, mscale)
+        elif _rope_serves(query[:n], query_emb, config, cu_seqlens_q, mscale, cp_group):
+            rope_(query[:n], query_emb, positions)
+        else:
             return query_original(self, query, query_emb, config, cu_seqlens_q, cp_group, mscale=mscale)
-        rope_(query[:n], query_emb, self.gpu_view.token_to_pos_ids[:n])
         return query
 
     @functools.wraps(key_original)
     def apply_rotary_emb_key(self, key, key_emb, config, cp_group, mscale=1.0):
         n = self.padded_active_token_count
         decode_only = self.is_decode_only()
-        if (decode_only and key.shape[0] != n) or not _rope_serves(key[:n], key_emb, config, None, mscale, cp_group):
+        positions = self.gpu_view.token_to_position_in_request[:n]
+        if decode_only and key.shape[0] != n:
             return key_original(self, key, key_emb, config, cp_group, mscale=mscale)
-        rope_(key[:n], key_emb, self.gpu_view.token_to_position_in_request[:n])
+        if _mla_rope_serves(key[:n], key_emb, config, None, cp_group):
+            if decode_only:  # (the original returns new rows)
+                return mla_rope(key[:n], key_emb, positions, mscale, out=torch.empty_like(key[:n]))
+            mla_rope(key[:n], key_emb, positions, mscale)
+            return key
+        if not _rope_serves(key[:n], key_emb, config, None, mscale, cp_group):
+            return key_original(self, key, key_emb, config, cp_group, mscale=mscale)
+        rope_(key[:n], key_emb, positions)
         return key[:n] if decode_only else key
 
     return _swap([(DynamicInferenceContext, "apply_rotary_emb_query", apply_rotary_emb_query),

@@ -9,7 +9,10 @@ t [n, heads, d] (strided: last dim contiguous), freqs [positions, 1, 1, r] (mega
 the non-interleaved layout `cat(f, f)`, r ≤ d even), positions [n] (int). For each token i and pair j < r/2, with
 a = freqs[positions[i], j] and b = freqs[positions[i], j + r/2]: t[i, :, j] = x1·cos a − x2·sin a and
 t[i, :, j + r/2] = x2·cos b + x1·sin b (x1, x2 the old values), in fp32, rounded to t's dtype: Transformer Engine's
-fused RoPE (`fused_apply_rotary_pos_emb`, bshd) arithmetic. Dimensions ≥ r pass through."""
+fused RoPE (`fused_apply_rotary_pos_emb`, bshd) arithmetic. Dimensions ≥ r pass through.
+
+`mla_rope(t, freqs, positions, mscale)`: multi-latent attention's rotation (DeepSeek; `MLA_ROPE`, below) in one
+kernel, with megatron-core's unfused arithmetic."""
 
 from __future__ import annotations
 
@@ -30,8 +33,9 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def rope_kernel(t_ptr, f_ptr, pos_ptr, stride_tn, stride_th, stride_fp, HEADS: tl.constexpr,
-                    H_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr, NUMPY_TRIG: tl.constexpr):
+    def rope_kernel(t_ptr, o_ptr, f_ptr, pos_ptr, mscale, stride_tn, stride_th, stride_on, stride_oh, stride_fp,
+                    HEADS: tl.constexpr, H_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+                    NUMPY_TRIG: tl.constexpr, MLA: tl.constexpr):
         i = tl.program_id(0)
         h = tl.arange(0, H_PAD)
         j = tl.arange(0, HALF_PAD)
@@ -39,19 +43,47 @@ def _kernel():
         pos = tl.load(pos_ptr + i).to(tl.int64)
         a = tl.load(f_ptr + pos * stride_fp + j, mask=j < HALF, other=0.0).to(tl.float32)
         b = tl.load(f_ptr + pos * stride_fp + HALF + j, mask=j < HALF, other=0.0).to(tl.float32)
-        base = t_ptr + i * stride_tn + h[:, None] * stride_th + j[None, :]
-        x1 = tl.load(base, mask=ok, other=0.0)
-        x2 = tl.load(base + HALF, mask=ok, other=0.0)
+        src = t_ptr + i * stride_tn + h[:, None] * stride_th
+        if MLA:  # the even dimensions, then the odd ones: MLA's de-interleave
+            x1 = tl.load(src + 2 * j[None, :], mask=ok, other=0.0)
+            x2 = tl.load(src + 2 * j[None, :] + 1, mask=ok, other=0.0)
+        else:
+            x1 = tl.load(src + j[None, :], mask=ok, other=0.0)
+            x2 = tl.load(src + HALF + j[None, :], mask=ok, other=0.0)
         if NUMPY_TRIG:  # Triton's interpreter (no libdevice there): numpy's fp32 sine and cosine
             cos_a, sin_a, cos_b, sin_b = tl.cos(a), tl.sin(a), tl.cos(b), tl.sin(b)
         else:
             cos_a, sin_a, cos_b, sin_b = libdevice.cos(a), libdevice.sin(a), libdevice.cos(b), libdevice.sin(b)
-        y1 = x1.to(tl.float32) * cos_a[None, :] - x2.to(tl.float32) * sin_a[None, :]
-        y2 = x2.to(tl.float32) * cos_b[None, :] + x1.to(tl.float32) * sin_b[None, :]
-        tl.store(base, y1.to(x1.dtype), mask=ok)
-        tl.store(base + HALF, y2.to(x2.dtype), mask=ok)
+        dt = x1.dtype
+        if MLA:  # megatron-core's unfused rounding: cos / sin x mscale to t's dtype, each product, the sum
+            cos_a, sin_a = (cos_a * mscale).to(dt).to(tl.float32), (sin_a * mscale).to(dt).to(tl.float32)
+            cos_b, sin_b = (cos_b * mscale).to(dt).to(tl.float32), (sin_b * mscale).to(dt).to(tl.float32)
+            y1 = ((x1.to(tl.float32) * cos_a[None, :]).to(dt).to(tl.float32)
+                  - (x2.to(tl.float32) * sin_a[None, :]).to(dt).to(tl.float32))
+            y2 = ((x2.to(tl.float32) * cos_b[None, :]).to(dt).to(tl.float32)
+                  + (x1.to(tl.float32) * sin_b[None, :]).to(dt).to(tl.float32))
+        else:  # Transformer Engine's: fp32 throughout, one rounding
+            y1 = x1.to(tl.float32) * cos_a[None, :] - x2.to(tl.float32) * sin_a[None, :]
+            y2 = x2.to(tl.float32) * cos_b[None, :] + x1.to(tl.float32) * sin_b[None, :]
+        dst = o_ptr + i * stride_on + h[:, None] * stride_oh + j[None, :]
+        tl.store(dst, y1.to(dt), mask=ok)
+        tl.store(dst + HALF, y2.to(dt), mask=ok)
 
     return triton, rope_kernel
+
+
+def _launch(t: torch.Tensor, out: torch.Tensor, freqs: torch.Tensor, positions: torch.Tensor, mscale: float,
+            mla: bool) -> None:
+    v, o = (t[:, 0], out[:, 0]) if t.dim() == 4 else (t, out)
+    n, heads, _ = v.shape
+    if n == 0:
+        return
+    half = freqs.shape[-1] // 2
+    triton, kernel = _kernel()
+    kernel[(n,)](v, o, freqs, positions, float(mscale), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
+                 freqs.stride(0), HEADS=heads, H_PAD=triton.next_power_of_2(heads), HALF=half,
+                 HALF_PAD=triton.next_power_of_2(half), NUMPY_TRIG=os.environ.get("TRITON_INTERPRET") == "1",
+                 MLA=mla, num_warps=4)
 
 
 def serves(t: torch.Tensor, freqs: torch.Tensor) -> bool:
@@ -70,13 +102,38 @@ def rope_(t: torch.Tensor, freqs: torch.Tensor, positions: torch.Tensor) -> torc
     if not serves(t, freqs):
         raise ValueError(f"rope_: unsupported tensors t {tuple(t.shape)} / {t.stride()}, freqs "
                          f"{tuple(freqs.shape)} {freqs.dtype}")
-    v = t[:, 0] if t.dim() == 4 else t
-    n, heads, _ = v.shape
-    if n == 0:
-        return t
-    half = freqs.shape[-1] // 2
-    triton, kernel = _kernel()
-    kernel[(n,)](v, freqs, positions, v.stride(0), v.stride(1), freqs.stride(0), HEADS=heads,
-                 H_PAD=triton.next_power_of_2(heads), HALF=half, HALF_PAD=triton.next_power_of_2(half),
-                 NUMPY_TRIG=os.environ.get("TRITON_INTERPRET") == "1", num_warps=4)
+    _launch(t, t, freqs, positions, 1.0, mla=False)
     return t
+
+
+# Multi-latent attention's RoPE (DeepSeek) through the same patch: megatron-core rotates MLA's rope part unfused
+# (TE's fused RoPE takes neither its interleaved layout nor YaRN's mscale), 12-14 kernels each for the queries and
+# the keys of a layer (de-interleave, cos, sin, scale, casts, rotate-half, products, sum, concatenations, the angle
+# gather and the copy back): ~26 of a decode step's kernels a layer, ~700 at DeepSeek-V2-Lite's 27 layers, which
+# decodes at 8.2 ms a token under CUDA graphs against a 1.0 ms bandwidth bound (docs/benchmarks.md). `mla_rope`
+# does the same arithmetic in one kernel. Off until the GPU smoke has compared it with megatron-core's on the H200
+# (`generate_bench.py --mla-rope` measures it).
+MLA_ROPE: bool = False
+
+
+def mla_serves(t: torch.Tensor, freqs: torch.Tensor) -> bool:
+    """Whether `mla_rope` takes these tensors: as `serves`, with t's last dimension all rotated (MLA's rope part:
+    `freqs.shape[-1] == t.shape[-1]`)."""
+    return serves(t, freqs) and freqs.shape[-1] == t.shape[-1]
+
+
+def mla_rope(t: torch.Tensor, freqs: torch.Tensor, positions: torch.Tensor, mscale: float,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """megatron-core's unfused RoPE of multi-latent attention (`_apply_rotary_pos_emb_bshd` with
+    `mla_rotary_interleaved`) at each token's position: t [n, heads, d] or [n, 1, heads, d] (last dim contiguous),
+    de-interleaved (even dimensions, then odd) and rotated by `freqs[positions]` (fp32 angles, r = d) scaled by
+    `mscale`, written to `out` (same shape; default: t itself, in place). Arithmetic as megatron-core's: cos and
+    sin x mscale rounded to t's dtype, each product and the sum rounded to it."""
+    if not mla_serves(t, freqs):
+        raise ValueError(f"mla_rope: unsupported tensors t {tuple(t.shape)} / {t.stride()}, freqs "
+                         f"{tuple(freqs.shape)} {freqs.dtype}")
+    out = t if out is None else out
+    if out.shape != t.shape or out.dtype != t.dtype or out.stride(-1) != 1:
+        raise ValueError(f"mla_rope: out {tuple(out.shape)} {out.dtype} does not match t {tuple(t.shape)} {t.dtype}")
+    _launch(t, out, freqs, positions, mscale, mla=True)
+    return out

@@ -351,6 +351,42 @@ def test_mla_on_the_dynamic_engine_equals_hf(tmp_path, monkeypatch):
 
 
 @pytest.mark.smoke
+def test_mla_rope_kernel_equals_megatron_core(tmp_path, monkeypatch):
+    """`decode_rope.mla_rope` (the `fused_decode_rope` patch's MLA branch, `decode_rope.MLA_ROPE`, off until this
+    passes) against megatron-core's unfused MLA RoPE on the GPU at DeepSeek-V2-Lite's widths (16 query heads and
+    the shared key head, rope part 64, YaRN's mscale 0.707, positions to 8k, bf16): the same arithmetic, so every
+    element within one bf16 unit of the row's largest magnitude (recorded: the share bitwise equal; libdevice's
+    and torch's fp32 cosine may part in the last place); then the dense DeepSeek-V3 above under CUDA graphs with
+    it generates HF bf16's greedy tokens (near-ties allowed), recorded against the tokens without it and timed."""
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    from megatron_patch.inference import decode_rope, dynamic
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    freqs = rope_table(64, 8192, "cuda")
+    rows = {}
+    for heads in (16, 1):
+        x = torch.randn(256, 1, heads, 64, device="cuda", generator=g).to(torch.bfloat16)
+        positions = torch.randint(0, 8192, (256,), device="cuda", generator=g)
+        theirs = _apply_rotary_pos_emb_bshd(x, freqs[positions], False, True, mscale=0.707)  # (MLA interleaving)
+        ours = decode_rope.mla_rope(x.clone(), freqs, positions, 0.707)
+        diff = (ours.float() - theirs.float()).abs()
+        rows[heads] = {"bitwise_equal_share": (ours == theirs).float().mean().item(), "max_diff": diff.max().item()}
+        assert (diff <= 2.0 ** -7 * x.float().abs().amax(-1, keepdim=True) * 0.707).all(), rows
+    model, hf, prompts, _ = _dense_mla(tmp_path, monkeypatch)
+    seconds_off, off = _generate_timed(model, prompts, engine="dynamic")
+    dynamic.release_engine()
+    monkeypatch.setattr(decode_rope, "MLA_ROPE", True)
+    seconds_on, on = _generate_timed(model, prompts, engine="dynamic")
+    dynamic.release_engine()
+    greedy = greedy_rows(hf, prompts, on, "cuda")
+    _record(test="mla_rope_kernel", kernel=rows, prompts=greedy, equals_without=on == off,
+            seconds={"with": seconds_on, "without": seconds_off})
+    for r in greedy:
+        assert r["identical"] or r["hf_margin_at_diff"] < MARGIN[torch.bfloat16], r
+
+
+@pytest.mark.smoke
 def test_mla_cuda_graphs_equal_eager(tmp_path, monkeypatch):
     """The dense DeepSeek-V3 above with CUDA graphs of decode-only steps (`dynamic.MLA_GRAPHS`, on by default since
     this test passed on the H200 on 2026-12-05) generates the same tokens as without them, in the kept engine's

@@ -215,6 +215,15 @@ def test_split_kv_decode_attention_splits_to_fill_the_gpu():
         assert part % decode_attention.BLOCK_T == 0 and -(-length // part) * part < length + part
 
 
+def _rope_case(n: int, heads: int, dim: int, rot: int, dtype: torch.dtype):
+    """(angle table of `rot` dims for 4,096 positions, n positions, the last one 4,095, a buffer [n, heads + 3,
+    dim] of `dtype` whose heads 2..2 + heads the tests rotate)."""
+    g = torch.Generator().manual_seed(n * heads + dim)
+    positions = torch.randint(0, 4096, (n,), generator=g)
+    positions[0] = 4095
+    return rope_table(rot, 4096), positions, torch.randn(n, heads + 3, dim, generator=g).to(dtype)
+
+
 @pytest.mark.parametrize("n, heads, dim, rot, dtype", [
     (1, 32, 128, 128, torch.bfloat16),  # Llama-3-8B's query heads, one decode token
     (3, 5, 64, 32, torch.bfloat16),  # partial rotary: dimensions past 32 pass through
@@ -228,11 +237,7 @@ def test_rope_in_place_equals_float64(interpreted, n, heads, dim, rot, dtype):
     those positions agrees to the same bound."""
     from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 
-    g = torch.Generator().manual_seed(n * heads + dim)
-    freqs = rope_table(rot, 4096)
-    positions = torch.randint(0, 4096, (n,), generator=g)
-    positions[0] = 4095
-    buf = torch.randn(n, heads + 3, dim, generator=g).to(dtype)
+    freqs, positions, buf = _rope_case(n, heads, dim, rot, dtype)
     before = buf.clone()
     t = buf[:, 2:2 + heads]
     ref = rope_reference(before[:, 2:2 + heads], freqs, positions)
@@ -248,56 +253,140 @@ def test_rope_in_place_equals_float64(interpreted, n, heads, dim, rot, dtype):
     assert not decode_rope.serves(before.transpose(1, 2), freqs)  # last dimension not contiguous
 
 
+class _Ids:  # generate reads no tokenizer for token-id prompts without stop strings; the engine its size
+    vocab_size, eod, pad = 512, 0, 0
+
+    def detokenize(self, ids):
+        return ""
+
+
+def _generate_under_the_rope_patch(monkeypatch, model, prompts, sampling, rtol: float):
+    """(tokens, calls per method): greedy generation on the dynamic engine under the `fused_decode_rope` patch,
+    every call of its `apply_rotary_emb_query` / `_key` checked against the original's on a copy of the same
+    inputs (within `rtol`)."""
+    from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
+
+    from megatron_patch import patches
+    from megatron_patch.inference import generate
+
+    names = {"query": "apply_rotary_emb_query", "key": "apply_rotary_emb_key"}
+    originals = {k: getattr(DynamicInferenceContext, v) for k, v in names.items()}
+    calls = {"query": 0, "key": 0}
+    with patches.applied("fused_decode_rope"):
+        ours = {k: getattr(DynamicInferenceContext, v) for k, v in names.items()}
+        assert ours["query"] is not originals["query"] and ours["key"] is not originals["key"]
+
+        def checked(which):
+            def call(self, x, *args, **kwargs):
+                expected = originals[which](self, x.clone(), *args, **kwargs)
+                got = ours[which](self, x, *args, **kwargs)
+                assert got.shape == expected.shape
+                assert torch.allclose(got, expected, rtol=rtol, atol=1e-6), (which, (got - expected).abs().max())
+                calls[which] += 1
+                return got
+            return call
+
+        with monkeypatch.context() as m:
+            for which, name in names.items():
+                m.setattr(DynamicInferenceContext, name, checked(which))
+            tokens = generate(model, _Ids(), prompts, sampling, max_batch_size=3, engine="dynamic")
+    assert not patches.is_active("fused_decode_rope")
+    return tokens, calls
+
+
+def _deinterleaved(x: torch.Tensor) -> torch.Tensor:
+    """MLA's layout for RoPE: the even dimensions, then the odd ones."""
+    return torch.cat([x[..., 0::2], x[..., 1::2]], -1)
+
+
+@pytest.mark.parametrize("n, heads, dim, mscale, dtype", [
+    (1, 16, 64, 0.707, torch.bfloat16),  # DeepSeek-V2-Lite's 16 query heads, rope part 64, YaRN's mscale
+    (3, 1, 64, 1.0, torch.bfloat16),  # keys: one shared head
+    (2, 5, 16, 1.2, torch.float32),  # 5 heads: padded lanes masked
+])
+def test_mla_rope_equals_megatron_cores_unfused_rope(interpreted, n, heads, dim, mscale, dtype):
+    """`mla_rope` gives megatron-core's unfused MLA RoPE (`_apply_rotary_pos_emb_bshd` with
+    `mla_rotary_interleaved`: de-interleave, cos / sin x mscale, rotate-half) at each token's own position, within
+    the roundings of its arithmetic (each of its four rounding steps one unit apart at most: the interpreter
+    rounds by truncation), and float64's within the same; in place on a strided view (the buffer around it
+    untouched) and out of place into `out` (t untouched)."""
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    freqs, positions, buf = _rope_case(n, heads, dim, dim, dtype)
+    before = buf.clone()
+    x = before[:, 2:2 + heads]
+    theirs = _apply_rotary_pos_emb_bshd(x[:, None], freqs[positions], False, True,  # (MLA interleaving)
+                                        mscale=mscale)[:, 0]
+    ref = rope_reference(_deinterleaved(x), freqs, positions) * mscale
+    unit = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -23
+    bound = 8 * unit * x.double().abs().amax(-1, keepdim=True) * mscale + 1e-6
+    out = torch.empty_like(x)
+    assert decode_rope.mla_rope(x, freqs, positions, mscale, out=out) is out
+    assert torch.equal(buf, before)  # out of place: t untouched
+    t = buf[:, 2:2 + heads]
+    assert decode_rope.mla_rope(t, freqs, positions, mscale) is t
+    assert torch.equal(t, out)
+    assert torch.equal(buf[:, :2], before[:, :2]) and torch.equal(buf[:, 2 + heads:], before[:, 2 + heads:])
+    assert ((out.double() - theirs.double()).abs() <= bound).all(), (out.double() - theirs.double()).abs().max()
+    assert ((out.double() - ref).abs() <= bound).all()
+    assert decode_rope.mla_serves(x[:, None], freqs) and not decode_rope.mla_serves(x[..., :dim // 2], freqs)
+    with pytest.raises(ValueError, match="mla_rope"):
+        decode_rope.mla_rope(x, freqs, positions, mscale, out=torch.empty_like(x, dtype=torch.float64))
+
+
+def test_mla_rope_through_the_dynamic_engine_equals_megatron_core(interpreted, cpu_megatron, monkeypatch):
+    """The `fused_decode_rope` patch with `decode_rope.MLA_ROPE` on, in megatron-core's dynamic engine, for a tiny
+    DeepSeek-V3 with YaRN (fp32, eager, prompts of different lengths, prefill and decode steps): every call the
+    patch serves gives what the original gives on the same inputs (both on copies, within fp32 rounding), the
+    queries' and the keys' calls all take `mla_rope`, and the greedy tokens equal the unpatched engine's; with
+    `MLA_ROPE` off, no call takes it."""
+    from megatron_patch import patches
+    from megatron_patch.conversion.engine import hf_to_megatron, load_rank_state_dict, make_plan
+    from megatron_patch.inference import Sampling, generate
+    from megatron_patch.models import build_model
+    from tests.models import DEEPSEEK_YARN, any_config, case_of
+
+    c = case_of({**any_config("deepseek_v3"), "rope_scaling": DEEPSEEK_YARN})
+    model = build_model(c.cfg).eval()
+    load_rank_state_dict(model, hf_to_megatron(make_plan(c.cfg), c.sd.__getitem__, c.sd.keys())[(0, 0, 0)])
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 500, (length,), generator=g).tolist() for length in (3, 11, 6)]
+    sampling = Sampling(5, top_k=1, stop_id=None)
+    plain = generate(model, _Ids(), prompts, sampling, max_batch_size=3, engine="dynamic")
+    monkeypatch.setattr(patches, "_gpu_with_triton", lambda: True)
+    launches, kernel = [], decode_rope.mla_rope
+    monkeypatch.setattr(decode_rope, "mla_rope",
+                        lambda t, f, p, m, out=None: launches.append(t.shape) or kernel(t, f, p, m, out=out))
+    for on in (True, False):
+        monkeypatch.setattr(decode_rope, "MLA_ROPE", on)
+        launches.clear()
+        patched, calls = _generate_under_the_rope_patch(monkeypatch, model, prompts, sampling, 2.0 ** -19)
+        assert patched == plain and all(len(t) == 5 for t in plain)
+        assert calls["query"] == calls["key"] >= c.cfg["num_hidden_layers"] * 5, calls
+        assert len(launches) == (calls["query"] + calls["key"] if on else 0), (len(launches), calls)
+
+
 def test_rope_through_the_dynamic_engine_equals_megatron_core(interpreted, cpu_megatron, monkeypatch):
     """The `fused_decode_rope` patch in megatron-core's dynamic engine (a tiny fp32 GPTModel, eager, prompts of
     different lengths, prefill and decode steps): every call the patch serves gives what the original gives on
     the same inputs (both run on copies, within fp32 rounding), queries and keys are both served, and the greedy
     tokens equal the unpatched engine's."""
-    from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
-
     from megatron_patch import patches
     from megatron_patch.inference import Sampling, generate
     from megatron_patch.models import build_model
     from tests.models import llama_config
-
-    class Ids:  # generate reads no tokenizer for token-id prompts without stop strings; the engine its size
-        vocab_size, eod, pad = 512, 0, 0
-
-        def detokenize(self, ids):
-            return ""
 
     torch.manual_seed(0)
     model = build_model(llama_config("gqa"), impl="local", dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 500, (length,), generator=g).tolist() for length in (3, 11, 6)]
     sampling = Sampling(6, top_k=1, stop_id=None)
-    plain = generate(model, Ids(), prompts, sampling, max_batch_size=3, engine="dynamic")
+    plain = generate(model, _Ids(), prompts, sampling, max_batch_size=3, engine="dynamic")
     monkeypatch.setattr(patches, "_gpu_with_triton", lambda: True)
-    launches, calls = [], {"query": 0, "key": 0}
+    launches = []
     kernel = decode_rope.rope_
     monkeypatch.setattr(decode_rope, "rope_", lambda t, f, p: launches.append(t.shape) or kernel(t, f, p))
-    originals = {"query": DynamicInferenceContext.apply_rotary_emb_query,
-                 "key": DynamicInferenceContext.apply_rotary_emb_key}
-    with patches.applied("fused_decode_rope"):
-        ours = {"query": DynamicInferenceContext.apply_rotary_emb_query,
-                "key": DynamicInferenceContext.apply_rotary_emb_key}
-        assert ours["query"] is not originals["query"] and ours["key"] is not originals["key"]
-
-        def checked(which):
-            def call(self, t, *args, **kwargs):
-                expected = originals[which](self, t.clone(), *args, **kwargs)
-                got = ours[which](self, t, *args, **kwargs)
-                assert got.shape == expected.shape
-                assert torch.allclose(got, expected, rtol=2.0 ** -20, atol=1e-6), (which, (got - expected).abs().max())
-                calls[which] += 1
-                return got
-            return call
-
-        with monkeypatch.context() as m:
-            m.setattr(DynamicInferenceContext, "apply_rotary_emb_query", checked("query"))
-            m.setattr(DynamicInferenceContext, "apply_rotary_emb_key", checked("key"))
-            patched = generate(model, Ids(), prompts, sampling, max_batch_size=3, engine="dynamic")
-    assert not patches.is_active("fused_decode_rope")
+    patched, calls = _generate_under_the_rope_patch(monkeypatch, model, prompts, sampling, 2.0 ** -20)
     assert patched == plain and all(len(t) == 6 for t in plain)
     layers = llama_config("gqa")["num_hidden_layers"]
     assert calls["query"] == calls["key"] >= layers * 6, calls  # every layer, prefill and 5 decode steps
