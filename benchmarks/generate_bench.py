@@ -17,6 +17,7 @@ made by transformers and converted in memory. On a GPU the dynamic engine runs m
 graphs of its decode steps, as `generate` does by default since 2026-12-05; `--no-mla-graphs` leaves the graphs
 out (`dynamic.MLA_GRAPHS`), `--no-mla-gpu` puts DeepSeek's models on the static engine as before
 (`dynamic.MLA_ON_GPU`). (`--mla-gpu` and `--mla-graphs`, which switched them on before, are still accepted.)
+`--mla-rope`: multi-latent attention's RoPE in one kernel (`decode_rope.MLA_ROPE`, off until measured).
 Requests: a JSONL file of prompts (`{"prompt_ids": [...]}`, random token ids, lengths uniform in
 [--min-prompt, --max-prompt], seed 0; written to --prompts if that file does not exist, else read from it);
 a row with N requests takes the file's first N. Greedy, no early stop: every request produces exactly
@@ -326,6 +327,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="multi-latent attention (DeepSeek) on the static engine on a GPU (dynamic.MLA_ON_GPU off)")
     ap.add_argument("--no-mla-graphs", action="store_true",
                     help="no CUDA graphs of multi-latent attention's decode steps (dynamic.MLA_GRAPHS off)")
+    ap.add_argument("--mla-rope", action="store_true",
+                    help="multi-latent attention's RoPE in one Triton kernel (decode_rope.MLA_ROPE: off by default)")
     for old in ("--mla-gpu", "--mla-graphs"):  # the switches before they were defaults (docs/benchmarks.md)
         ap.add_argument(old, action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--moe-dispatch", choices=["auto", "dropless", "padded"], default="auto",
@@ -342,16 +345,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 @contextlib.contextmanager
-def mla_switches(no_gpu: bool, no_graphs: bool) -> Iterator[None]:
-    """`dynamic.MLA_ON_GPU` and `dynamic.MLA_GRAPHS` off as asked, for the rows; put back after."""
-    from megatron_patch.inference import dynamic
+def mla_switches(no_gpu: bool, no_graphs: bool, rope: bool = False) -> Iterator[None]:
+    """`dynamic.MLA_ON_GPU` and `dynamic.MLA_GRAPHS` off, `decode_rope.MLA_ROPE` on, as asked, for the rows; put
+    back after."""
+    from megatron_patch.inference import decode_rope, dynamic
 
-    saved = dynamic.MLA_ON_GPU, dynamic.MLA_GRAPHS
+    saved = dynamic.MLA_ON_GPU, dynamic.MLA_GRAPHS, decode_rope.MLA_ROPE
     dynamic.MLA_ON_GPU, dynamic.MLA_GRAPHS = saved[0] and not no_gpu, saved[1] and not no_graphs
+    decode_rope.MLA_ROPE = saved[2] or rope
     try:
         yield
     finally:
-        dynamic.MLA_ON_GPU, dynamic.MLA_GRAPHS = saved
+        dynamic.MLA_ON_GPU, dynamic.MLA_GRAPHS, decode_rope.MLA_ROPE = saved
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -372,7 +377,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(json.dumps(info), flush=True)
     timer = Timer(a.device, a.repeat)
     rows = []
-    with dynamic.moe_dispatch(a.moe_dispatch), mla_switches(a.no_mla_gpu, a.no_mla_graphs):
+    with dynamic.moe_dispatch(a.moe_dispatch), mla_switches(a.no_mla_gpu, a.no_mla_graphs, a.mla_rope):
         for shape in a.shapes:
             rows.extend(run_shape(a, shape, prompts, timer))
             if a.device == "cuda":  # this shape's models are gone: free their memory for the next
