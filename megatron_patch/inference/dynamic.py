@@ -82,6 +82,11 @@ MLA_ON_GPU: bool = True
 # decode (widths the Triton kernel does not take, `decode_attention.mla_kernel_takes`) stay refused until that
 # test's torch-decode case has compared them with its own eager decoding on a GPU (`graphs_refused`).
 MLA_GRAPHS: bool = True
+# MoE routers' top-k on Transformer Engine's fused kernel (megatron-core's `moe_router_fusion`, TE >= 2.7: softmax or
+# sigmoid, top-k, group limits and scaling in one kernel) for the engine's calls: megatron-core's unfused routing is
+# ~16 kernels of a MoE layer's decode step (v2-lite: 107 operators a MoE + MLA layer, ~3.4 us each under graphs;
+# docs/benchmarks.md). Off until the GPU smoke and `generate_bench.py --moe-router-fusion` have measured it.
+MOE_ROUTER_FUSION: bool = False
 # CUDA graphs of MoE layers' decode steps by default (`moe_graph_dispatch`: the all-to-all dispatcher padded to
 # capacity, or dropless below). On since the H200 smoke of 2026-12-05: a small Mixtral's graphs, padded and dropless,
 # gave its eager tokens, 5.6x / 7.2x faster than eager (`test_moe_on_the_dynamic_engine_equals_hf`); mixtral-8l
@@ -128,6 +133,7 @@ class EnginePlan:
     latent: bool = False  # multi-latent attention: the mla_latent_cache patch, pages of MLA_BLOCK_SIZE_TOKENS
     moe: bool = False  # MoE layers: with CUDA graphs, on the all-to-all dispatcher padded (moe_graph_dispatch)
     moe_dropless: bool = False  # ... or dropless in every step (MOE_DROPLESS, moe_dropless.dispatch)
+    moe_router_fusion: bool = False  # routers on TE's fused top-k (MOE_ROUTER_FUSION, router_fusion)
 
     @property
     def block_size_tokens(self) -> int:
@@ -140,10 +146,10 @@ class EnginePlan:
         slots = (self.max_requests == other.max_requests
                  or (not other.bounded and self.max_requests >= other.max_requests))
         kernels = (self.cuda_graphs, self.non_decode_graphs, self.async_scheduling, self.decode_gemv,
-                   self.decode_attention, self.decode_rope, self.moe_dropless)
+                   self.decode_attention, self.decode_rope, self.moe_dropless, self.moe_router_fusion)
         return (slots and kernels == (other.cuda_graphs, other.non_decode_graphs, other.async_scheduling,
                                       other.decode_gemv, other.decode_attention, other.decode_rope,
-                                      other.moe_dropless)
+                                      other.moe_dropless, other.moe_router_fusion)
                 and self.max_sequence_length >= other.max_sequence_length and self.max_tokens >= other.max_tokens
                 and self.kv_cache_gb >= other.kv_cache_gb)
 
@@ -305,7 +311,30 @@ def plan_engine(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, ma
                                              or (bool(moe) and not dropless)),
                       async_scheduling=async_scheduling(), decode_gemv=wanted(DECODE_GEMV),
                       decode_attention=wanted(DECODE_ATTENTION), decode_rope=wanted(DECODE_ROPE), alibi=alibi,
-                      latent=latent, moe=bool(moe), moe_dropless=dropless)
+                      latent=latent, moe=bool(moe), moe_dropless=dropless,
+                      moe_router_fusion=bool(moe) and wanted(MOE_ROUTER_FUSION) and router_fusion_available())
+
+
+def router_fusion_available() -> bool:
+    """Whether megatron-core found Transformer Engine's fused top-k router (`fused_topk_with_score_function`)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    return getattr(moe_utils, "fused_topk_with_score_function", None) is not None
+
+
+@contextlib.contextmanager
+def router_fusion(model, on: bool) -> Iterator[None]:
+    """The model's MoE routers on TE's fused top-k (`moe_router_fusion` in the configs they read) while `on`;
+    put back after."""
+    configs = [model.config] + [m.router.config for m in moe_layers(model)] if on else []
+    saved = [(c, c.moe_router_fusion) for c in {id(c): c for c in configs}.values()]
+    for c, _ in saved:
+        c.moe_router_fusion = True
+    try:
+        yield
+    finally:
+        for c, value in saved:
+            c.moe_router_fusion = value
 
 
 def async_scheduling() -> bool:
@@ -361,7 +390,7 @@ def generate_dynamic(model, tokenizer, prompts: list[list[int]], sampling: Sampl
               # last: ALiBi layers attend with their bias before any other paged attention sees them
               patches.applied("alibi_paged_attention") if plan.alibi else contextlib.nullcontext(),
               _latent_cache(model) if plan.latent else contextlib.nullcontext(),
-              _moe_dispatch(model, plan)):
+              _moe_dispatch(model, plan), router_fusion(model, plan.moe_router_fusion)):
             engine = _Engines.get(model, tokenizer, plan)
             return _run(engine, tokenizer, prompts, sampling, on_tokens)
 

@@ -6,6 +6,7 @@ is reproducible; --stop ends generating (not only the text); bad input (empty pr
 too long for the context, a KV budget too small, an unwritable --out) is refused with one error line;
 --out is written whole; without --out, stdout holds only the rows."""
 
+import dataclasses
 import importlib.util
 import io
 import json
@@ -690,6 +691,39 @@ def test_multi_latent_attention_takes_the_dynamic_engine_on_a_gpu(cpu_megatron, 
     monkeypatch.setattr(dynamic, "MLA_ON_GPU", False)
     assert "multi-latent attention" in dynamic.unsupported_attention(model)
     assert choose_engine(model) == "static"
+
+
+def test_moe_router_fusion_is_planned_and_put_back(cpu_megatron, monkeypatch):
+    """`dynamic.MOE_ROUTER_FUSION` (off by default): on a GPU where megatron-core found Transformer Engine's fused
+    top-k, an MoE model's plan routes on it (a dense model's does not, nor without the kernel or the switch);
+    `router_fusion` sets `moe_router_fusion` in the configs the routers read for the engine's calls and puts the
+    old value back after, even when the call fails; a plan without it does not serve one with it."""
+    from megatron.core.transformer.moe import moe_utils
+
+    from megatron_patch.inference import dynamic
+
+    _, model = _converted("mixtral")
+    _, dense = _converted("gqa")
+    plan = lambda m: dynamic.plan_engine(m, [[5, 6, 7]], 4, kv_cache_gb=0.01)  # noqa: E731
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(dynamic, "MOE_GRAPHS", False)
+    assert not dynamic.MOE_ROUTER_FUSION and not plan(model).moe_router_fusion
+    monkeypatch.setattr(dynamic, "MOE_ROUTER_FUSION", True)
+    monkeypatch.setattr(moe_utils, "fused_topk_with_score_function", None)
+    assert not dynamic.router_fusion_available() and not plan(model).moe_router_fusion
+    monkeypatch.setattr(moe_utils, "fused_topk_with_score_function", lambda **kwargs: None)
+    fused = plan(model)
+    assert fused.moe_router_fusion and not plan(dense).moe_router_fusion
+    assert not dataclasses.replace(fused, moe_router_fusion=False).covers(fused)
+    routers = [m.router.config for m in dynamic.moe_layers(model)]
+    assert routers and not any(c.moe_router_fusion for c in routers)
+    with pytest.raises(RuntimeError, match="inside"):
+        with dynamic.router_fusion(model, True):
+            assert model.config.moe_router_fusion and all(c.moe_router_fusion for c in routers)
+            raise RuntimeError("inside")
+    assert not model.config.moe_router_fusion and not any(c.moe_router_fusion for c in routers)
+    with dynamic.router_fusion(model, False):
+        assert not any(c.moe_router_fusion for c in routers)
 
 
 @pytest.mark.parametrize("variant", ["mixtral", "deepseek_v3"])

@@ -463,6 +463,37 @@ def test_mla_and_moe_cuda_graphs_equal_eager(tmp_path, monkeypatch, dispatch):
 
 
 @pytest.mark.smoke
+@pytest.mark.parametrize("variant", ["mixtral", "deepseek_v3"])
+def test_moe_router_fusion_equals_the_unfused_router(tmp_path, monkeypatch, variant):
+    """MoE routers on Transformer Engine's fused top-k (`dynamic.MOE_ROUTER_FUSION`, off until this passes; Mixtral's
+    softmax top-2, DeepSeek-V3's sigmoid with group limits and expert bias) under the default plan (CUDA graphs,
+    dropless or padded as the engine picks): HF bf16's greedy tokens (near-ties allowed); recorded against the
+    tokens of the unfused router, and the seconds of both."""
+    from megatron_patch.inference import dynamic
+    from tests.models import any_config
+
+    cfg = any_config(variant)
+    cfg = ({**cfg, "hidden_size": 512, "head_dim": 64} if variant == "mixtral"
+           else {**cfg, "kv_lora_rank": 64, "qk_rope_head_dim": 16})
+    model, hf = _tiny_te_model(cfg, str(tmp_path / variant))
+    prompts = MIXED_PROMPTS
+    assert dynamic.router_fusion_available()
+    seconds_off, off = _generate_timed(model, prompts, engine="dynamic")
+    dynamic.release_engine()
+    monkeypatch.setattr(dynamic, "MOE_ROUTER_FUSION", True)
+    plan = dynamic.plan_engine(model, prompts, STEPS)
+    assert plan.moe_router_fusion and plan.cuda_graphs
+    seconds_on, on = _generate_timed(model, prompts, engine="dynamic")
+    dynamic.release_engine()
+    assert not model.config.moe_router_fusion
+    rows = greedy_rows(hf, prompts, on, "cuda")
+    _record(test="moe_router_fusion", variant=variant, prompts=rows, equals_unfused=on == off,
+            seconds={"fused": seconds_on, "unfused": seconds_off})
+    for r in rows:
+        assert r["identical"] or r["hf_margin_at_diff"] < MARGIN[torch.bfloat16], r
+
+
+@pytest.mark.smoke
 @pytest.mark.parametrize("variant, dispatch", [("mixtral", "padded"), ("mixtral", "dropless"),
                                                ("deepseek_v3", "own"), ("deepseek_v3", "dropless")])
 def test_moe_on_the_dynamic_engine_equals_hf(tmp_path, monkeypatch, variant, dispatch):
