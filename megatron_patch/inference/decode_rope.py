@@ -107,12 +107,12 @@ def rope_(t: torch.Tensor, freqs: torch.Tensor, positions: torch.Tensor) -> torc
 
 
 # Multi-latent attention's RoPE (DeepSeek) through the same patch: megatron-core rotates MLA's rope part unfused
-# (TE's fused RoPE takes neither its interleaved layout nor YaRN's mscale), 12-14 kernels each for the queries and
-# the keys of a layer (de-interleave, cos, sin, scale, casts, rotate-half, products, sum, concatenations, the angle
-# gather and the copy back): ~26 of a decode step's kernels a layer, ~700 at DeepSeek-V2-Lite's 27 layers, which
+# (TE's fused RoPE takes neither its interleaved layout nor YaRN's mscale), ~29 kernels a layer for the queries and
+# the keys (de-interleave, cos, sin, scale, casts, rotate-half, products, sum, concatenations, the angle gathers
+# and the copy back; the CPU count in docs/benchmarks.md), ~700 a step at DeepSeek-V2-Lite's 27 layers, which
 # decodes at 8.2 ms a token under CUDA graphs against a 1.0 ms bandwidth bound (docs/benchmarks.md). `mla_rope`
 # does the same arithmetic in one kernel. Off until the GPU smoke has compared it with megatron-core's on the H200
-# (`generate_bench.py --mla-rope` measures it).
+# (`generate_bench.py --mla-rope` measures it). The engine's plan records it (`dynamic.EnginePlan.mla_rope`).
 MLA_ROPE: bool = False
 
 

@@ -13,7 +13,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from megatron_patch import compat
-from megatron_patch.inference import decode_attention, moe_dropless
+from megatron_patch.inference import decode_attention, decode_rope, moe_dropless
 from megatron_patch.inference.sampling import Sampling
 from megatron_patch.inference.stops import holds_stop, stop_window
 
@@ -134,22 +134,25 @@ class EnginePlan:
     moe: bool = False  # MoE layers: with CUDA graphs, on the all-to-all dispatcher padded (moe_graph_dispatch)
     moe_dropless: bool = False  # ... or dropless in every step (MOE_DROPLESS, moe_dropless.dispatch)
     moe_router_fusion: bool = False  # routers on TE's fused top-k (MOE_ROUTER_FUSION, router_fusion)
+    mla_rope: bool = False  # multi-latent attention's RoPE kernel in fused_decode_rope (decode_rope.MLA_ROPE)
 
     @property
     def block_size_tokens(self) -> int:
         """The KV cache's page size (`BLOCK_SIZE_TOKENS`, `MLA_BLOCK_SIZE_TOKENS`)."""
         return MLA_BLOCK_SIZE_TOKENS if self.latent else BLOCK_SIZE_TOKENS
 
+    @property
+    def kernels(self) -> tuple:
+        """What the engine's CUDA graphs and steps run: an engine serves only plans that run the same."""
+        return (self.cuda_graphs, self.non_decode_graphs, self.async_scheduling, self.decode_gemv,
+                self.decode_attention, self.decode_rope, self.moe_dropless, self.moe_router_fusion, self.mla_rope)
+
     def covers(self, other: EnginePlan) -> bool:
         """An engine built for this plan serves `other` as well: the same graphs, at least as much room, and
         the same in-flight maximum where it binds (more slots than a call has requests change nothing)."""
         slots = (self.max_requests == other.max_requests
                  or (not other.bounded and self.max_requests >= other.max_requests))
-        kernels = (self.cuda_graphs, self.non_decode_graphs, self.async_scheduling, self.decode_gemv,
-                   self.decode_attention, self.decode_rope, self.moe_dropless, self.moe_router_fusion)
-        return (slots and kernels == (other.cuda_graphs, other.non_decode_graphs, other.async_scheduling,
-                                      other.decode_gemv, other.decode_attention, other.decode_rope,
-                                      other.moe_dropless, other.moe_router_fusion)
+        return (slots and self.kernels == other.kernels
                 and self.max_sequence_length >= other.max_sequence_length and self.max_tokens >= other.max_tokens
                 and self.kv_cache_gb >= other.kv_cache_gb)
 
@@ -312,7 +315,8 @@ def plan_engine(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, ma
                       async_scheduling=async_scheduling(), decode_gemv=wanted(DECODE_GEMV),
                       decode_attention=wanted(DECODE_ATTENTION), decode_rope=wanted(DECODE_ROPE), alibi=alibi,
                       latent=latent, moe=bool(moe), moe_dropless=dropless,
-                      moe_router_fusion=bool(moe) and wanted(MOE_ROUTER_FUSION) and router_fusion_available())
+                      moe_router_fusion=bool(moe) and wanted(MOE_ROUTER_FUSION) and router_fusion_available(),
+                      mla_rope=latent and wanted(DECODE_ROPE) and decode_rope.MLA_ROPE)
 
 
 def router_fusion_available() -> bool:

@@ -734,8 +734,9 @@ def test_moe_and_latent_attention_plan_their_cuda_graphs(variant, cpu_megatron, 
     to capacity (`moe_graph_dispatch`, tested above), so MoE models get graphs on a GPU as dense ones do; the flex
     dispatcher, which has no such mode here, is refused with the reason. Multi-latent attention's graphs (on since
     the H200 smoke of 2026-12-05, `dynamic.MLA_GRAPHS`) where the Triton kernel decodes (`mla_kernel_takes`: 16-bit,
-    DeepSeek's widths); refused with the reason where torch decodes (these tiny fp32 models, a rotated part of 8)."""
-    from megatron_patch.inference import decode_attention, dynamic
+    DeepSeek's widths); refused with the reason where torch decodes (these tiny fp32 models, a rotated part of 8).
+    The plan records the MLA RoPE kernel (`decode_rope.MLA_ROPE`) for MLA models only."""
+    from megatron_patch.inference import decode_attention, decode_rope, dynamic
     from megatron_patch.models import build_model
     from tests.models import case
 
@@ -756,6 +757,16 @@ def test_moe_and_latent_attention_plan_their_cuda_graphs(variant, cpu_megatron, 
         with monkeypatch.context() as m:
             m.setattr(decode_attention, "mla_kernel_takes", lambda *args: True)
             assert dynamic.plan_engine(model, [[5, 6, 7]], 4, kv_cache_gb=0.01).cuda_graphs
+        # the MLA RoPE kernel (decode_rope.MLA_ROPE, off) is part of what a kept engine's graphs run
+        assert not plan.mla_rope
+        with monkeypatch.context() as m:
+            m.setattr(decode_rope, "MLA_ROPE", True)
+            with_kernel = dynamic.plan_engine(model, [[5, 6, 7]], 4, kv_cache_gb=0.01)
+        assert with_kernel.mla_rope and not plan.covers(with_kernel) and not with_kernel.covers(plan)
+    else:
+        with monkeypatch.context() as m:
+            m.setattr(decode_rope, "MLA_ROPE", True)
+            assert not dynamic.plan_engine(model, [[5, 6, 7]], 4, kv_cache_gb=0.01).mla_rope
     if variant == "mixtral":
         for m in dynamic.moe_layers(model):
             monkeypatch.setattr(m.config, "moe_token_dispatcher_type", "flex")
