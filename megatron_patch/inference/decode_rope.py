@@ -111,9 +111,11 @@ def rope_(t: torch.Tensor, freqs: torch.Tensor, positions: torch.Tensor) -> torc
 # the keys (de-interleave, cos, sin, scale, casts, rotate-half, products, sum, concatenations, the angle gathers
 # and the copy back; the CPU count in docs/benchmarks.md), ~700 a step at DeepSeek-V2-Lite's 27 layers, which
 # decodes at 8.2 ms a token under CUDA graphs against a 1.0 ms bandwidth bound (docs/benchmarks.md). `mla_rope`
-# does the same arithmetic in one kernel. Off until the GPU smoke has compared it with megatron-core's on the H200
-# (`generate_bench.py --mla-rope` measures it). The engine's plan records it (`dynamic.EnginePlan.mla_rope`).
-MLA_ROPE: bool = False
+# does the same arithmetic in one kernel. On since the H200 of 2026-12-05: within megatron-core's bf16 roundings of
+# its result (75% of elements bitwise equal, the rest one unit apart) and HF's greedy tokens but at a near-tie
+# (`test_mla_rope_kernel_equals_megatron_core`); v2-lite at one request 8.28 -> 6.97 ms a token
+# (`generate_bench.py --no-mla-rope` is the row without it). The engine's plan records it (`EnginePlan.mla_rope`).
+MLA_ROPE: bool = True
 
 
 def mla_serves(t: torch.Tensor, freqs: torch.Tensor) -> bool:

@@ -85,8 +85,10 @@ MLA_GRAPHS: bool = True
 # MoE routers' top-k on Transformer Engine's fused kernel (megatron-core's `moe_router_fusion`, TE >= 2.7: softmax or
 # sigmoid, top-k, group limits and scaling in one kernel) for the engine's calls: megatron-core's unfused routing is
 # ~16 kernels of a MoE layer's decode step (v2-lite: 107 operators a MoE + MLA layer, ~3.4 us each under graphs;
-# docs/benchmarks.md). Off until the GPU smoke and `generate_bench.py --moe-router-fusion` have measured it.
-MOE_ROUTER_FUSION: bool = False
+# docs/benchmarks.md). On since the H200 of 2026-12-05: Mixtral's and DeepSeek-V3's tokens equal the unfused
+# router's (`test_moe_router_fusion_equals_the_unfused_router`); v2-lite with the MLA RoPE kernel 6.97 -> 6.71 ms a
+# token at one request, 1,098 -> 1,225 tokens/s at 32 (`generate_bench.py --no-moe-router-fusion`: without it).
+MOE_ROUTER_FUSION: bool = True
 # CUDA graphs of MoE layers' decode steps by default (`moe_graph_dispatch`: the all-to-all dispatcher padded to
 # capacity, or dropless below). On since the H200 smoke of 2026-12-05: a small Mixtral's graphs, padded and dropless,
 # gave its eager tokens, 5.6x / 7.2x faster than eager (`test_moe_on_the_dynamic_engine_equals_hf`); mixtral-8l

@@ -694,8 +694,9 @@ def test_multi_latent_attention_takes_the_dynamic_engine_on_a_gpu(cpu_megatron, 
 
 
 def test_moe_router_fusion_is_planned_and_put_back(cpu_megatron, monkeypatch):
-    """`dynamic.MOE_ROUTER_FUSION` (off by default): on a GPU where megatron-core found Transformer Engine's fused
-    top-k, an MoE model's plan routes on it (a dense model's does not, nor without the kernel or the switch);
+    """`dynamic.MOE_ROUTER_FUSION` (on by default since the H200 of 2026-12-05): on a GPU where megatron-core found
+    Transformer Engine's fused top-k, an MoE model's plan routes on it (a dense model's does not, nor without the
+    kernel or the switch);
     `router_fusion` sets `moe_router_fusion` in the configs the routers read for the engine's calls and puts the
     old value back after, even when the call fails; a plan without it does not serve one with it."""
     from megatron.core.transformer.moe import moe_utils
@@ -707,13 +708,15 @@ def test_moe_router_fusion_is_planned_and_put_back(cpu_megatron, monkeypatch):
     plan = lambda m: dynamic.plan_engine(m, [[5, 6, 7]], 4, kv_cache_gb=0.01)  # noqa: E731
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(dynamic, "MOE_GRAPHS", False)
-    assert not dynamic.MOE_ROUTER_FUSION and not plan(model).moe_router_fusion
-    monkeypatch.setattr(dynamic, "MOE_ROUTER_FUSION", True)
+    assert dynamic.MOE_ROUTER_FUSION
     monkeypatch.setattr(moe_utils, "fused_topk_with_score_function", None)
     assert not dynamic.router_fusion_available() and not plan(model).moe_router_fusion
     monkeypatch.setattr(moe_utils, "fused_topk_with_score_function", lambda **kwargs: None)
     fused = plan(model)
     assert fused.moe_router_fusion and not plan(dense).moe_router_fusion
+    with monkeypatch.context() as m:
+        m.setattr(dynamic, "MOE_ROUTER_FUSION", False)
+        assert not plan(model).moe_router_fusion
     assert not dataclasses.replace(fused, moe_router_fusion=False).covers(fused)
     routers = [m.router.config for m in dynamic.moe_layers(model)]
     assert routers and not any(c.moe_router_fusion for c in routers)
@@ -757,16 +760,14 @@ def test_moe_and_latent_attention_plan_their_cuda_graphs(variant, cpu_megatron, 
         with monkeypatch.context() as m:
             m.setattr(decode_attention, "mla_kernel_takes", lambda *args: True)
             assert dynamic.plan_engine(model, [[5, 6, 7]], 4, kv_cache_gb=0.01).cuda_graphs
-        # the MLA RoPE kernel (decode_rope.MLA_ROPE, off) is part of what a kept engine's graphs run
-        assert not plan.mla_rope
+        # the MLA RoPE kernel (decode_rope.MLA_ROPE, on by default) is part of what a kept engine's graphs run
+        assert decode_rope.MLA_ROPE and plan.mla_rope
         with monkeypatch.context() as m:
-            m.setattr(decode_rope, "MLA_ROPE", True)
-            with_kernel = dynamic.plan_engine(model, [[5, 6, 7]], 4, kv_cache_gb=0.01)
-        assert with_kernel.mla_rope and not plan.covers(with_kernel) and not with_kernel.covers(plan)
+            m.setattr(decode_rope, "MLA_ROPE", False)
+            without = dynamic.plan_engine(model, [[5, 6, 7]], 4, kv_cache_gb=0.01)
+        assert not without.mla_rope and not plan.covers(without) and not without.covers(plan)
     else:
-        with monkeypatch.context() as m:
-            m.setattr(decode_rope, "MLA_ROPE", True)
-            assert not dynamic.plan_engine(model, [[5, 6, 7]], 4, kv_cache_gb=0.01).mla_rope
+        assert decode_rope.MLA_ROPE and not plan.mla_rope
     if variant == "mixtral":
         for m in dynamic.moe_layers(model):
             monkeypatch.setattr(m.config, "moe_token_dispatcher_type", "flex")

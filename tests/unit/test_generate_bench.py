@@ -74,9 +74,9 @@ def test_tiny_shape_on_cpu(tmp_path, cpu_megatron):
 def test_multi_latent_attention_shape_on_both_engines(tmp_path, cpu_megatron):
     """A DeepSeek shape (multi-latent attention) runs its rows on both engines, on the dynamic one with CUDA graphs
     of its decode steps on a GPU by default (no effect on a CPU, where it runs anyway, without graphs);
-    `--no-mla-gpu` and `--no-mla-graphs` switch them off for the rows, `--mla-rope` its RoPE kernel and
-    `--moe-router-fusion` TE's fused router on, and put them back after (the switches of before, `--mla-gpu` and
-    `--mla-graphs`, are still accepted)."""
+    `--no-mla-gpu`, `--no-mla-graphs`, `--no-mla-rope` (its RoPE kernel) and `--no-moe-router-fusion` (TE's fused
+    router) switch them off for the rows and put them back after (the switches of before, `--mla-gpu`,
+    `--mla-graphs`, `--mla-rope` and `--moe-router-fusion`, are still accepted)."""
     from megatron_patch.inference import decode_rope, dynamic
 
     args = ["--shapes", "tiny-mla", "--device", "cpu", "--impl", "local", "--dtype", "fp32", "--requests", "2",
@@ -87,13 +87,15 @@ def test_multi_latent_attention_shape_on_both_engines(tmp_path, cpu_megatron):
     assert [r["run"] for r in result["rows"]] == ["ours (dynamic engine, dropless MoE)", "ours (static engine)",
                                                   "HF generate"]
     assert all("skipped" not in r for r in result["rows"]), result["rows"]
-    with _bench().switches(no_mla_gpu=True, no_mla_graphs=True, mla_rope=True, router_fusion=True):
-        assert not dynamic.MLA_ON_GPU and not dynamic.MLA_GRAPHS and decode_rope.MLA_ROPE
-        assert dynamic.MOE_ROUTER_FUSION
-    assert dynamic.MLA_ON_GPU and dynamic.MLA_GRAPHS and not decode_rope.MLA_ROPE and not dynamic.MOE_ROUTER_FUSION
-    a = _bench().parse_args(args + ["--no-mla-gpu", "--no-mla-graphs", "--mla-rope", "--moe-router-fusion",
-                                    "--mla-gpu", "--mla-graphs"])
-    assert a.no_mla_gpu and a.no_mla_graphs and a.mla_rope and a.moe_router_fusion
+    with _bench().switches(no_mla_gpu=True, no_mla_graphs=True, no_mla_rope=True, no_router_fusion=True):
+        assert not dynamic.MLA_ON_GPU and not dynamic.MLA_GRAPHS and not decode_rope.MLA_ROPE
+        assert not dynamic.MOE_ROUTER_FUSION
+    assert dynamic.MLA_ON_GPU and dynamic.MLA_GRAPHS and decode_rope.MLA_ROPE and dynamic.MOE_ROUTER_FUSION
+    with _bench().switches(no_mla_rope=True):
+        assert not decode_rope.MLA_ROPE and dynamic.MOE_ROUTER_FUSION and dynamic.MLA_GRAPHS
+    a = _bench().parse_args(args + ["--no-mla-gpu", "--no-mla-graphs", "--no-mla-rope", "--no-moe-router-fusion",
+                                    "--mla-gpu", "--mla-graphs", "--mla-rope", "--moe-router-fusion"])
+    assert a.no_mla_gpu and a.no_mla_graphs and a.no_mla_rope and a.no_moe_router_fusion
 
 
 def test_engines_choose_our_rows(tmp_path, cpu_megatron):
