@@ -77,17 +77,18 @@ RUNS: dict[str, tuple[str, str, list[str], dict[str, str]]] = {
     # the profiles' cross-entropy without an fp32 copy of the logits (training.cross_entropy) left out: megatron-core's
     # fused one instead (the rows `+lean-ce` of 2026-12-05 measured it the other way round, before it was a default)
     "bf16 -lean-ce": ("bf16", "default", ["--no-lean-cross-entropy"], {}),
-    # the output layer's weight gradient accumulated into the fp32 main_grad inside its GEMM and the embedding's rows
-    # scattered into it (training.wgrad): no bf16 gradients and adds per micro-batch (2.7% of the fp8 step, 2026-12-05)
-    "bf16 +wgrad-fusion": ("bf16", "default", ["--wgrad-fusion-without-apex"], {}),
+    # the default profile without its weight-gradient fusion (the output layer's weight gradient accumulated into the
+    # fp32 main_grad inside its GEMM, the embedding's rows scattered into it: training.wgrad; 2.7% of the fp8 step in
+    # bf16 gradients and adds, 2026-12-05, +2.5% tokens/s in fp8 since; in the profiles since then)
+    "bf16 -wgrad-fusion": ("bf16", "default", ["--no-wgrad-fusion-without-apex"], {}),
     # megatron-core's TEFusedMLP (Transformer Engine's op fuser: norm, fc1, SwiGLU, fc2 as one te.ops.Sequential) in
     # place of the compiled SwiGLU between two TE layers (6% of the fp8 step, plus TE's cast of its output)
     "bf16 +fused-mlp": ("bf16", "default", ["--use-transformer-engine-op-fuser"], {}),
     # megatron-core's RoPE on the fused QKV output in one Transformer Engine kernel (no split of QKV before it, no
     # concatenation of its gradients: the copies and concatenations in the profile's elementwise group)
     "bf16 +qkv-rope": ("bf16", "default", ["--fused-single-qkv-rope"], {}),
-    # the levers not yet in the profiles, together
-    "bf16 +levers": ("bf16", "default", ["--wgrad-fusion-without-apex", "--use-transformer-engine-op-fuser"], {}),
+    # the levers not yet in the profiles, together (without the single-kernel QKV RoPE, not yet measured)
+    "bf16 +levers": ("bf16", "default", ["--use-transformer-engine-op-fuser"], {}),
     "bf16 mbs2": ("bf16", "default", ["@mbs2"], {}),
     # TE's FlashAttention backend (flash-attn v2 / v3, or v4 where TE takes it: `stage_wheels.sh fa4`) instead of
     # cuDNN's fused attention, whose backward is 3x its forward at 8B (docs/benchmarks.md, ninth session); the
@@ -107,13 +108,12 @@ RUNS: dict[str, tuple[str, str, list[str], dict[str, str]]] = {
     "fp8 +grad-reduce-bf16": ("fp8", "default", ["--grad-reduce-in-bf16"], {}),
     "fp8 +param-gather": ("fp8", "default", ["--fp8-param-gather"], {}),
     "fp8 -lean-ce": ("fp8", "default", ["--no-lean-cross-entropy"], {}),
-    "fp8 +wgrad-fusion": ("fp8", "default", ["--wgrad-fusion-without-apex"], {}),
+    "fp8 -wgrad-fusion": ("fp8", "default", ["--no-wgrad-fusion-without-apex"], {}),
     # the output layer's three GEMMs in FP8 as well (22% of the fp8 step in bf16 in the profile of 2026-12-05)
     "fp8 +fp8-head": ("fp8", "default", ["--fp8-output-layer"], {}),
     "fp8 +fused-mlp": ("fp8", "default", ["--use-transformer-engine-op-fuser"], {}),
     "fp8 +qkv-rope": ("fp8", "default", ["--fused-single-qkv-rope"], {}),
-    "fp8 +levers": ("fp8", "default", ["--wgrad-fusion-without-apex", "--use-transformer-engine-op-fuser",
-                                       "--fp8-output-layer"], {}),
+    "fp8 +levers": ("fp8", "default", ["--use-transformer-engine-op-fuser", "--fp8-output-layer"], {}),
     "fp8 +flash-attn": ("fp8", "default", ["--attention-backend", "flash"], {}),
     "fp8 +fused-attn": ("fp8", "default", ["--attention-backend", "fused"], {}),
     "fp8 +cudnn-norm": ("fp8", "default", [], {"NVTE_NORM_FWD_USE_CUDNN": "1", "NVTE_NORM_BWD_USE_CUDNN": "1"}),
@@ -128,10 +128,10 @@ RUNS: dict[str, tuple[str, str, list[str], dict[str, str]]] = {
     "fp8 dp2": ("fp8", "default", ["--overlap-grad-reduce", "--overlap-param-gather"], {}),
 }
 # `--losses`: the run a run's losses are compared with, where it is not its precision's `none` run (None: no
-# comparison; LoRA trains other weights). The levers not yet in the profiles against the profile they would join.
+# comparison; LoRA trains other weights). The levers against the profile they would join or leave.
 LOSS_REFERENCE: dict[str, str | None] = {
     "bf16 +hybrid": "bf16", "bf16 +lora": None, "fp8 +lora": None,
-    **{f"{p} +{lever}": p for p in ("bf16", "fp8") for lever in ("wgrad-fusion", "fused-mlp", "qkv-rope", "levers")},
+    **{f"{p} {lever}": p for p in ("bf16", "fp8") for lever in ("-wgrad-fusion", "+fused-mlp", "+qkv-rope", "+levers")},
     "fp8 +fp8-head": "fp8"}
 
 

@@ -72,6 +72,11 @@ def add_patch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "weight gradient) in FP8 too, through Transformer Engine under the run's recipe "
                         "(megatron-core >= 0.19 does it for MXFP8 only; otherwise it stays bf16); needs untied "
                         "embeddings and --model-class gpt; an accuracy trade: compare the losses")
+    g.add_argument("--fused-single-qkv-rope", action=argparse.BooleanOptionalAction, default=False,
+                   help="RoPE on the fused QKV projection's output in one Transformer Engine kernel, without "
+                        "splitting it into query, key and value first (megatron-core's TransformerConfig field, "
+                        "which its parser does not offer); needs Transformer Engine, RoPE, no query/key norm, "
+                        "no multi-latent attention and no packed sequences (SFT)")
     g.add_argument("--model-class", choices=MODEL_CLASSES, default="gpt",
                    help="gpt: megatron-core's GPTModel; hybrid: its HybridModel (megatron-core >= 0.19), the same "
                         "model with attention and MLP as separate layers (--hybrid-layer-pattern comes from the "
@@ -164,6 +169,7 @@ def parse_args(argv: list[str] | None = None, extra_args_provider=None, indexed_
     apply_throughput_profile(args, given, get_family(hf_config).config_kwargs(hf_config))
     apply_lean_cross_entropy(args, given)
     check_fp8_output_layer(args)
+    check_fused_qkv_rope(args, get_family(hf_config).config_kwargs(hf_config))
     if indexed_data:
         check_data_paths(args)
         if args.split is None and (args.data_path or args.data_args_path):
@@ -213,6 +219,23 @@ def check_fp8_output_layer(args: argparse.Namespace) -> None:
     if not args.untie_embeddings_and_output_weights:
         raise ValueError("--fp8-output-layer needs untied embeddings: this model's output layer shares the word "
                          "embedding's weight (tie_word_embeddings in its HF config)")
+
+
+def check_fused_qkv_rope(args: argparse.Namespace, model: dict) -> None:
+    """`--fused-single-qkv-rope` where megatron-core's attention takes it (otherwise it asserts at the first
+    forward): Transformer Engine, RoPE, no query/key norm, no multi-latent attention, no packed sequences.
+    `model`: the family's TransformerConfig arguments."""
+    if not getattr(args, "fused_single_qkv_rope", False):
+        return
+    refused = [("--transformer-impl local", args.transformer_impl != "transformer_engine"),
+               (f"position embedding {args.position_embedding_type}", args.position_embedding_type != "rope"),
+               ("this model's query/key norm", bool(model.get("qk_layernorm"))),
+               ("multi-latent attention", bool(model.get("multi_latent_attention"))),
+               ("SFT's packed sequences (--sft-data)", bool(getattr(args, "sft_data", None)))]
+    for what, bad in refused:
+        if bad:
+            raise ValueError(f"--fused-single-qkv-rope cannot run with {what}: it needs Transformer Engine, "
+                             "RoPE, no query/key norm, no multi-latent attention and no packed sequences")
 
 
 def apply_model_class(args: argparse.Namespace, hf_config: Any) -> None:

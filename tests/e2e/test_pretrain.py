@@ -73,7 +73,7 @@ def _run(rank: int, argv: list[str]) -> dict:
 # the arguments --throughput-profile sets
 PROFILE_SETTINGS = ("manual_gc", "manual_gc_interval", "cross_entropy_loss_fusion", "cross_entropy_fusion_impl",
                     "check_for_nan_in_loss_and_grad", "rerun_mode", "create_attention_mask_in_dataloader",
-                    "lean_cross_entropy")
+                    "lean_cross_entropy", "wgrad_fusion_without_apex")
 
 
 def _train(world: int, argv: list[str]) -> dict:
@@ -286,6 +286,9 @@ def test_throughput_profiles_reach_megatron_and_train_the_same(corpus, tmp_path)
             default["rerun_mode"], default["lean_cross_entropy"]) == (True, 100, True, "native", True,
                                                                       "validate_results", True)
     assert runs["default"]["lean_cross_entropy"] and not runs["none"]["lean_cross_entropy"]  # the patch, in place
+    # the weight-gradient fusion: set, but without --gradient-accumulation-fusion (--cpu turns it off) not applied
+    assert default["wgrad_fusion_without_apex"] and not none["wgrad_fusion_without_apex"]
+    assert runs["default"]["wgrad_fused"] == []
     assert (bench["check_for_nan_in_loss_and_grad"], bench["rerun_mode"]) == (False, "disabled")
     # the local implementation reads the loader's attention mask: kept (only Transformer Engine drops it)
     assert default["create_attention_mask_in_dataloader"] is True

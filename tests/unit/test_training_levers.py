@@ -1,0 +1,58 @@
+"""Training levers of issue 28 on the argument side: `--fused-single-qkv-rope` (megatron-core's TransformerConfig
+field, which its parser lacks: ours passes it through, refused one line where megatron-core's attention would
+assert at the first forward) and the default throughput profile's `--wgrad-fusion-without-apex` (never over the
+user's `--wgrad-fusion-without-apex` / `--no-wgrad-fusion-without-apex`)."""
+
+import dataclasses
+from argparse import Namespace
+
+import pytest
+from megatron.core.transformer import TransformerConfig
+
+from megatron_patch.models import get_family
+from megatron_patch.training.arguments import check_fused_qkv_rope
+from megatron_patch.training.profiles import apply_throughput_profile
+from tests.models import any_config
+
+
+def _rope_args(**over) -> Namespace:
+    return Namespace(**{"fused_single_qkv_rope": True, "transformer_impl": "transformer_engine",
+                        "position_embedding_type": "rope", "sft_data": None, **over})
+
+
+def test_fused_qkv_rope_reaches_the_transformer_config():
+    """The flag's destination is megatron-core's own field, which `core_transformer_config_from_args` copies."""
+    assert "fused_single_qkv_rope" in {f.name for f in dataclasses.fields(TransformerConfig)}
+
+
+@pytest.mark.parametrize("variant, over, message", [
+    ("gqa", {"transformer_impl": "local"}, "--transformer-impl local"),
+    ("bloom", {"position_embedding_type": "none"}, "position embedding none"),
+    ("qwen3", {}, "query/key norm"),
+    ("deepseek_v2", {}, "multi-latent attention"),
+    ("gqa", {"sft_data": ["chat.jsonl"]}, "packed sequences"),
+])
+def test_fused_qkv_rope_is_refused_where_megatron_core_would_assert(variant, over, message):
+    cfg = any_config(variant)
+    with pytest.raises(ValueError, match=f"^--fused-single-qkv-rope cannot run with .*{message}"):
+        check_fused_qkv_rope(_rope_args(**over), get_family(cfg).config_kwargs(cfg))
+
+
+def test_fused_qkv_rope_is_accepted_for_llama():
+    cfg = any_config("gqa")
+    check_fused_qkv_rope(_rope_args(), get_family(cfg).config_kwargs(cfg))
+    check_fused_qkv_rope(_rope_args(fused_single_qkv_rope=False, transformer_impl="local"), {})  # off: no check
+
+
+@pytest.mark.parametrize("profile, given, expected", [
+    ("default", set(), True),
+    ("benchmark", set(), True),
+    ("none", set(), False),                                       # Megatron's defaults
+    ("default", {"--no-wgrad-fusion-without-apex"}, False),       # the user's choice wins
+])
+def test_default_profile_fuses_the_weight_gradients(profile, given, expected):
+    args = Namespace(throughput_profile=profile, transformer_impl="local", reset_attention_mask=False,
+                     lean_cross_entropy=False, wgrad_fusion_without_apex=False)
+    applied = apply_throughput_profile(args, given)
+    assert args.wgrad_fusion_without_apex is expected
+    assert ("wgrad_fusion_without_apex" in applied) == expected
