@@ -358,3 +358,25 @@ def test_wgrad_fusion_without_apex_trains_like_megatrons(corpus, tmp_path):
         assert len(fused["wgrad_fused"]) - len(gemms) == 10, fused["wgrad_fused"]
         diffs = [abs(a - b) for a, b in zip(plain["losses"], fused["losses"])]
         assert len(diffs) == 10 and max(diffs) <= 1e-5, (tp, diffs)
+
+
+def test_wgrad_fusion_with_tied_embeddings_trains_like_megatrons(corpus, tmp_path):
+    """The default profile's weight-gradient fusion where the output layer shares the word embedding's weight
+    (Llama-3.2-1B, train_bench's 1b shape): megatron-core marks the shared weight `zero_out_wgrad`, so its output
+    layer hands autograd zeros and the DDP hook adds the weight's gradient into main_grad after all; the output
+    layer's GEMM accumulates into main_grad through `training.wgrad`, while the embedding keeps `F.embedding` (its
+    dense gradient is what that add takes; a scatter would be lost to nothing but also save nothing). 5 iterations
+    give the unfused run's losses within fp32 rounding."""
+    config = json.load(open(TINY_LLAMA))
+    path = tmp_path / "tied.json"
+    path.write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    plain, fused = (_train(1, _argv(corpus, str(tmp_path / name / "ckpt"), "--train-iters", "5", "--throughput-profile",
+                                    "none", *extra, model=("--hf-config", str(path))))
+                    for name, extra in (("plain", []), ("fused", ["--wgrad-fusion-without-apex"])))
+    assert plain["wgrad_fused"] == []
+    # in each of 10 micro-batches: every linear layer (4 layers x 4) and the (shared) output layer; no scatter
+    assert len(fused["wgrad_fused"]) == 10 * (4 * 4 + 1), fused["wgrad_fused"]
+    assert all(shape[0] != "embedding" for shape in fused["wgrad_fused"])
+    assert any(rows >= 1000 and cols == 64 for rows, cols in fused["wgrad_fused"])  # the output layer's (padded vocab)
+    diffs = [abs(a - b) for a, b in zip(plain["losses"], fused["losses"])]
+    assert len(diffs) == 10 and max(diffs) <= 1e-5, diffs
