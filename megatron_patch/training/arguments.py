@@ -50,6 +50,7 @@ def add_patch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--throughput-profile", choices=THROUGHPUT_PROFILES, default="default",
                    help="default: Megatron settings that make a step cheaper without changing the numbers beyond "
                         "bf16 rounding (manual GC every 100 iterations, fused cross-entropy (--lean-cross-entropy), "
+                        "weight gradients accumulated in fp32 inside the GEMM (--wgrad-fusion-without-apex), "
                         "no attention mask "
                         "from the data loader where Transformer Engine's causal kernels ignore it); benchmark: "
                         "also skip the per-step safety checks (NaN/Inf in loss and gradients, rerun validation); "
@@ -66,7 +67,8 @@ def add_patch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "linear layers (the output layer; every layer under --transformer-impl local) accumulate "
                         "their weight gradients into the fp32 main_grad inside the GEMM (Transformer Engine's "
                         "cuBLAS call), as Transformer Engine's layers do, instead of a bf16 gradient and an add "
-                        "(megatron-core needs Apex's extension for that)")
+                        "(megatron-core needs Apex's extension for that). On in the default and benchmark "
+                        "throughput profiles; --no-wgrad-fusion-without-apex leaves it out")
     g.add_argument("--fp8-output-layer", action=argparse.BooleanOptionalAction, default=False,
                    help="with --precision fp8, the output layer's GEMMs (logits, their input gradient and the "
                         "weight gradient) in FP8 too, through Transformer Engine under the run's recipe "
