@@ -168,10 +168,11 @@ def parse_args(argv: list[str] | None = None, extra_args_provider=None, indexed_
     apply_model_class(args, hf_config)
     apply_precision(args)
     # megatron prints the resulting arguments at start
-    apply_throughput_profile(args, given, get_family(hf_config).config_kwargs(hf_config))
+    model_kwargs = get_family(hf_config).config_kwargs(hf_config)
+    apply_throughput_profile(args, given, model_kwargs)
     apply_lean_cross_entropy(args, given)
     check_fp8_output_layer(args)
-    check_fused_qkv_rope(args, get_family(hf_config).config_kwargs(hf_config))
+    check_fused_qkv_rope(args, model_kwargs)
     if indexed_data:
         check_data_paths(args)
         if args.split is None and (args.data_path or args.data_args_path):

@@ -20,8 +20,9 @@ _NEUTRAL = (("manual_gc", True, "--manual-gc"), ("manual_gc_interval", 100, "--m
 # profile's own: 2.8e-4 / 5.7e-3; docs/benchmarks.md, 2026-12-05); unless the command line chose a cross-entropy
 _CROSS_ENTROPY_FLAGS = {"--lean-cross-entropy", "--no-lean-cross-entropy", "--cross-entropy-fusion-impl"}
 # megatron-core's own linear layers (the output layer, 128,256 x 4,096 at LLaMA-3-8B) accumulate their weight gradients
-# into the fp32 main_grad inside the GEMM, and the word embedding scatters its rows there, without Apex
-# (`--wgrad-fusion-without-apex`, training.wgrad): one bf16 rounding of those gradients fewer. On one H200 at
+# into the fp32 main_grad inside the GEMM, and an untied word embedding scatters its rows there, without Apex
+# (`--wgrad-fusion-without-apex`, training.wgrad): one bf16 rounding of those gradients fewer. A tied embedding
+# keeps F.embedding (megatron-core's zero_out_wgrad path; the output layer's GEMM is still fused). On one H200 at
 # LLaMA-3-8B widths +2.5% tokens/s in fp8 (756 -> 775 TFLOP/s), losses within 4.6e-3 of the default profile's
 # over 10 iterations (fp8's own distance from `none`: 2.2e-3); in bf16, with TE's fused MLP, +2.3% and 1.0e-4
 # (docs/benchmarks.md, 2026-12-05). Only where --gradient-accumulation-fusion is on (a GPU; --cpu turns it off).
