@@ -87,8 +87,13 @@ RUNS: dict[str, tuple[str, str, list[str], dict[str, str]]] = {
     # megatron-core's RoPE on the fused QKV output in one Transformer Engine kernel (no split of QKV before it, no
     # concatenation of its gradients: the copies and concatenations in the profile's elementwise group)
     "bf16 +qkv-rope": ("bf16", "default", ["--fused-single-qkv-rope"], {}),
-    # the levers not yet in the profiles, together (without the single-kernel QKV RoPE, not yet measured)
-    "bf16 +levers": ("bf16", "default", ["--use-transformer-engine-op-fuser"], {}),
+    # megatron's --use-te-activation-func (our layer specs honour it since 2026-12-05: models.modules.fused_mlp):
+    # Transformer Engine's SwiGLU op in place of the compiled SwiGLU, whose backward ran at about half the HBM
+    # bandwidth in the fp8 profile of 2026-12-05 (70.5 ms of 2 steps)
+    "bf16 +te-swiglu": ("bf16", "default", ["--use-te-activation-func"], {}),
+    # the levers not yet measured, together: TE's SwiGLU op and the single-kernel QKV RoPE (until 2026-12-05 this
+    # row was TE's fused MLP, which with the weight-gradient fusion measured 589.7 TFLOP/s, +2.3%)
+    "bf16 +levers": ("bf16", "default", ["--use-te-activation-func", "--fused-single-qkv-rope"], {}),
     "bf16 mbs2": ("bf16", "default", ["@mbs2"], {}),
     # TE's FlashAttention backend (flash-attn v2 / v3, or v4 where TE takes it: `stage_wheels.sh fa4`) instead of
     # cuDNN's fused attention, whose backward is 3x its forward at 8B (docs/benchmarks.md, ninth session); the
@@ -113,7 +118,10 @@ RUNS: dict[str, tuple[str, str, list[str], dict[str, str]]] = {
     "fp8 +fp8-head": ("fp8", "default", ["--fp8-output-layer"], {}),
     "fp8 +fused-mlp": ("fp8", "default", ["--use-transformer-engine-op-fuser"], {}),
     "fp8 +qkv-rope": ("fp8", "default", ["--fused-single-qkv-rope"], {}),
-    "fp8 +levers": ("fp8", "default", ["--use-transformer-engine-op-fuser", "--fp8-output-layer"], {}),
+    "fp8 +te-swiglu": ("fp8", "default", ["--use-te-activation-func"], {}),
+    # the fp8 output layer with the levers not yet measured (until 2026-12-05: with TE's fused MLP, 872.4 TFLOP/s)
+    "fp8 +levers": ("fp8", "default", ["--fp8-output-layer", "--use-te-activation-func", "--fused-single-qkv-rope"],
+                    {}),
     "fp8 +flash-attn": ("fp8", "default", ["--attention-backend", "flash"], {}),
     "fp8 +fused-attn": ("fp8", "default", ["--attention-backend", "fused"], {}),
     "fp8 +cudnn-norm": ("fp8", "default", [], {"NVTE_NORM_FWD_USE_CUDNN": "1", "NVTE_NORM_BWD_USE_CUDNN": "1"}),
@@ -131,7 +139,8 @@ RUNS: dict[str, tuple[str, str, list[str], dict[str, str]]] = {
 # comparison; LoRA trains other weights). The levers against the profile they would join or leave.
 LOSS_REFERENCE: dict[str, str | None] = {
     "bf16 +hybrid": "bf16", "bf16 +lora": None, "fp8 +lora": None,
-    **{f"{p} {lever}": p for p in ("bf16", "fp8") for lever in ("-wgrad-fusion", "+fused-mlp", "+qkv-rope", "+levers")},
+    **{f"{p} {lever}": p for p in ("bf16", "fp8")
+       for lever in ("-wgrad-fusion", "+fused-mlp", "+qkv-rope", "+te-swiglu", "+levers")},
     "fp8 +fp8-head": "fp8"}
 
 

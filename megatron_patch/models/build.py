@@ -186,13 +186,12 @@ def gpt_model(hf_config: Any, config, vocab_size: int, pre_process: bool, post_p
     model provider, whose config comes from megatron.training's arguments)."""
     from megatron.core.models.gpt import GPTModel
 
-    from megatron_patch.models.modules.fused_mlp import with_te_fused_mlp
+    from megatron_patch.models.modules.fused_mlp import with_te_mlp
 
     family = family or get_family(hf_config)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=with_te_fused_mlp(family.decoder_spec(hf_config, config, gpt_kwargs.get("vp_stage")),
-                                                 config),
+        transformer_layer_spec=with_te_mlp(family.decoder_spec(hf_config, config, gpt_kwargs.get("vp_stage")), config),
         vocab_size=vocab_size,
         max_sequence_length=family.max_sequence_length(hf_config),
         pre_process=pre_process,

@@ -106,9 +106,9 @@ def _gpt_layer_specs(family: ModelFamily, hf_config: Any, gpt_config) -> tuple[l
     from megatron.core.transformer import transformer_block
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    from megatron_patch.models.modules.fused_mlp import with_te_fused_mlp
+    from megatron_patch.models.modules.fused_mlp import with_te_mlp
 
-    spec = with_te_fused_mlp(family.decoder_spec(hf_config, gpt_config), gpt_config)
+    spec = with_te_mlp(family.decoder_spec(hf_config, gpt_config), gpt_config)
     if isinstance(spec, ModuleSpec) and isinstance(spec.submodules, TransformerBlockSubmodules):
         spec = spec.submodules
     if isinstance(spec, TransformerBlockSubmodules):

@@ -173,6 +173,7 @@ def parse_args(argv: list[str] | None = None, extra_args_provider=None, indexed_
     apply_lean_cross_entropy(args, given)
     check_fp8_output_layer(args)
     check_fused_qkv_rope(args, model_kwargs)
+    apply_te_activation(args, model_kwargs)
     if indexed_data:
         check_data_paths(args)
         if args.split is None and (args.data_path or args.data_args_path):
@@ -239,6 +240,19 @@ def check_fused_qkv_rope(args: argparse.Namespace, model: dict) -> None:
         if bad:
             raise ValueError(f"--fused-single-qkv-rope cannot run with {what}: it needs Transformer Engine, "
                              "RoPE, no query/key norm, no multi-latent attention and no packed sequences")
+
+
+def apply_te_activation(args: argparse.Namespace, model: dict) -> None:
+    """`--use-te-activation-func` (megatron's option: Transformer Engine's SwiGLU op as each MLP's activation,
+    `models.modules.fused_mlp`): refused where that op would compute another activation than the model's
+    (`model`: the family's TransformerConfig arguments); megatron's `--bias-swiglu-fusion` (on by default) is the
+    compiled activation it replaces, which megatron-core refuses to have together with it, so it goes off."""
+    if not getattr(args, "use_te_activation_func", False):
+        return
+    from megatron_patch.models.modules.fused_mlp import check_te_activation
+
+    check_te_activation(argparse.Namespace(**{**model, "transformer_impl": args.transformer_impl}))
+    args.bias_swiglu_fusion = args.bias_gelu_fusion = False
 
 
 def apply_model_class(args: argparse.Namespace, hf_config: Any) -> None:

@@ -52,6 +52,7 @@ def select_device(args: argparse.Namespace, given: set[str]) -> None:
         (f"--fp8-format {getattr(args, 'fp8', None)}", bool(getattr(args, "fp8", None))),
         ("--sequence-parallel", args.sequence_parallel),
         ("--use-transformer-engine-op-fuser", getattr(args, "use_transformer_engine_op_fuser", False)),
+        ("--use-te-activation-func", getattr(args, "use_te_activation_func", False)),
         # it trains, but its checkpoints do not load back without TE's or Apex's Adam
         ("--use-distributed-optimizer", args.use_distributed_optimizer),
     ]

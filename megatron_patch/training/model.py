@@ -84,7 +84,9 @@ def load_hf_weights(model, hf_dir: str, hf_config: Any, args, vp_stage: int | No
 def check_built(model, args, post_process: bool) -> None:
     """The modules the options asked for are the ones megatron-core built (a seam that moved between releases
     would otherwise train the plain layers silently): `--fp8-output-layer` Transformer Engine's output layer on the
-    last stage, `--use-transformer-engine-op-fuser` no plain `MLP` left as a layer's MLP."""
+    last stage, `--use-transformer-engine-op-fuser` no plain `MLP` left as a layer's MLP, `--use-te-activation-func`
+    no MLP (dense, expert or shared expert) left with a plain function as its activation, which megatron-core's MLP
+    would apply to fc1's whole output under that option."""
     if getattr(args, "fp8_output_layer", False) and post_process and \
             type(model.output_layer).__name__ != "TELMHeadColumnParallelLinear":
         raise ValueError(f"--fp8-output-layer: megatron-core built {type(model.output_layer).__name__} as the "
@@ -93,6 +95,14 @@ def check_built(model, args, post_process: bool) -> None:
             any(type(getattr(m, "mlp", None)).__name__ == "MLP" for m in model.modules()):
         raise ValueError("--use-transformer-engine-op-fuser: megatron-core built its plain MLP, not TEFusedMLP, "
                          "for a dense layer of this model")
+    if getattr(args, "use_te_activation_func", False):
+        import torch
+
+        plain = sorted({type(m).__name__ for m in model.modules() if hasattr(m, "linear_fc1")
+                        and hasattr(m, "activation_func") and not isinstance(m.activation_func, torch.nn.Module)})
+        if plain:
+            raise ValueError(f"--use-te-activation-func: megatron-core built {', '.join(plain)} with a plain "
+                             "activation function, not Transformer Engine's op")
 
 
 def make_model_provider(hf_config: Any):

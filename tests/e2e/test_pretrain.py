@@ -230,6 +230,8 @@ def test_bad_input_is_refused_before_training(corpus, tmp_path):
         "architecture conflict": (_argv(corpus, str(tmp_path / "c"), "--num-layers", "7"), "--num-layers 7 conflicts"),
         "TE's fused MLP on the CPU": (_argv(corpus, str(tmp_path / "c"), "--use-transformer-engine-op-fuser"),
                                       "--use-transformer-engine-op-fuser cannot run on the CPU"),
+        "TE's activation on the CPU": (_argv(corpus, str(tmp_path / "c"), "--use-te-activation-func"),
+                                       "--use-te-activation-func cannot run on the CPU"),
         "fp8 output layer without fp8": (_argv(corpus, str(tmp_path / "c"), "--fp8-output-layer"),
                                          "--fp8-output-layer needs --precision fp8"),
         "no architecture": (_argv(corpus, str(tmp_path / "c"), model=()), "no model architecture"),

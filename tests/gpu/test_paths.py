@@ -273,8 +273,8 @@ def test_pretrain_bf16_and_fp8(tmp_path):
 
 
 @pytest.mark.smoke
-def test_fp8_output_layer_wgrad_fusion_and_te_fused_mlp_train_like_the_default(tmp_path):
-    """Three levers of issue 28, each against the default profile of the same precision over 5 steps of a 3e-3
+def test_training_levers_train_like_the_default(tmp_path):
+    """The levers of issue 28, each against the default profile of the same precision over 5 steps of a 3e-3
     learning rate: `--wgrad-fusion-without-apex` (bf16; in the default profile since 2026-12-05, so the default
     against `--no-wgrad-fusion-without-apex`; the output layer's weight gradient summed into main_grad in fp32
     inside the GEMM: the same numbers but one bf16 rounding, so the first losses agree within 1e-3 and all within
@@ -283,9 +283,12 @@ def test_fp8_output_layer_wgrad_fusion_and_te_fused_mlp_train_like_the_default(t
     largest distance fp8 itself puts between the default's losses and bf16's over the same steps, at least 0.05:
     on the H200 on 2026-12-05 fp8-head trailed fp8 by up to 0.136, fp8 bf16 by up to 0.089, where a bound of
     0.05 had been set from no measurement; the run refuses to start if megatron-core built its bf16 layer
-    instead, `training.model`) and `--use-transformer-engine-op-fuser` (bf16 and fp8;
-    megatron-core's TEFusedMLP, which the run refuses to go without: the same products through other kernels, so
-    the first loss within 0.01 in bf16 and 0.02 in fp8, all within 0.05)."""
+    instead, `training.model`), `--use-transformer-engine-op-fuser` (bf16 and fp8; megatron-core's TEFusedMLP,
+    which the run refuses to go without), `--use-te-activation-func` (bf16; Transformer Engine's SwiGLU op in
+    place of the compiled one, which the run refuses to go without: fp32 inside and one rounding, as the compiled
+    one) and `--fused-single-qkv-rope` (bf16; TE's RoPE on the fused QKV output, megatron-core asserting where
+    it would not take it): the same products through other kernels, so the first loss within 0.01 in bf16 and
+    0.02 in fp8, all within 0.05."""
     from tests.models import llama_config
 
     config = tmp_path / "config.json"
@@ -293,20 +296,22 @@ def test_fp8_output_layer_wgrad_fusion_and_te_fused_mlp_train_like_the_default(t
     model = ["--hf-config", str(config)]
     fuser = ("--use-transformer-engine-op-fuser",)
     cases = (("bf16", "bf16", ()), ("bf16-no-wgrad", "bf16", ("--no-wgrad-fusion-without-apex",)),
-             ("bf16-fused-mlp", "bf16", fuser), ("fp8", "fp8", ()), ("fp8-head", "fp8", ("--fp8-output-layer",)),
-             ("fp8-fused-mlp", "fp8", fuser))
+             ("bf16-fused-mlp", "bf16", fuser), ("bf16-te-swiglu", "bf16", ("--use-te-activation-func",)),
+             ("bf16-qkv-rope", "bf16", ("--fused-single-qkv-rope",)), ("fp8", "fp8", ()),
+             ("fp8-head", "fp8", ("--fp8-output-layer",)), ("fp8-fused-mlp", "fp8", fuser))
     runs = {name: _train(tmp_path, name, model, 5, "--lr", "3e-3", "--precision", precision, *extra)["losses"]
             for name, precision, extra in cases}
     diffs = {name: [abs(runs[name][i] - runs[base][i]) for i in sorted(runs[base])]
              for name, base in (("bf16-no-wgrad", "bf16"), ("fp8-head", "fp8"), ("bf16-fused-mlp", "bf16"),
-                                ("fp8-fused-mlp", "fp8"))}
-    _record(test="fp8_output_layer_wgrad_fusion_fused_mlp", losses=runs, diffs=diffs)
+                                ("bf16-te-swiglu", "bf16"), ("bf16-qkv-rope", "bf16"), ("fp8-fused-mlp", "fp8"))}
+    _record(test="training_levers", losses=runs, diffs=diffs)
     assert all(sorted(series) == [1, 2, 3, 4, 5] for series in runs.values()), runs
     assert diffs["bf16-no-wgrad"][0] <= 1e-3 and max(diffs["bf16-no-wgrad"]) <= 0.02, diffs
     fp8_from_bf16 = max(abs(runs["fp8"][i] - runs["bf16"][i]) for i in runs["bf16"])
     assert diffs["fp8-head"][0] <= 0.02 and max(diffs["fp8-head"]) <= max(0.05, 2 * fp8_from_bf16), (diffs,
                                                                                                    fp8_from_bf16)
-    assert diffs["bf16-fused-mlp"][0] <= 0.01 and max(diffs["bf16-fused-mlp"]) <= 0.05, diffs
+    for name in ("bf16-fused-mlp", "bf16-te-swiglu", "bf16-qkv-rope"):
+        assert diffs[name][0] <= 0.01 and max(diffs[name]) <= 0.05, (name, diffs)
     assert diffs["fp8-fused-mlp"][0] <= 0.02 and max(diffs["fp8-fused-mlp"]) <= 0.05, diffs
 
 

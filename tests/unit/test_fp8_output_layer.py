@@ -1,6 +1,6 @@
 """`--fp8-output-layer`: what it needs (refused one line each before any model is built) and the
 `fp8_output_layer` patch's gate in megatron-core >= 0.19 (the GPU run: tests/gpu/test_paths.py
-`test_fp8_output_layer_wgrad_fusion_and_te_fused_mlp_train_like_the_default`)."""
+`test_training_levers_train_like_the_default`)."""
 
 from argparse import Namespace
 

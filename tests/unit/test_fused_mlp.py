@@ -1,6 +1,7 @@
-"""`--use-transformer-engine-op-fuser` on our layer specs (`models.modules.fused_mlp`): every dense MLP of a
-Transformer Engine layer becomes megatron-core's `TEFusedMLP` with the same submodules, mixture-of-experts
-layers stay as they are, and what has no fused form is refused in one line. Transformer Engine is absent on a
+"""`--use-transformer-engine-op-fuser` and `--use-te-activation-func` on our layer specs (`models.modules.fused_mlp`):
+every dense MLP of a Transformer Engine layer becomes megatron-core's `TEFusedMLP` with the same submodules, or
+gets Transformer Engine's activation op, mixture-of-experts layers stay as they are, and what has no such form is
+refused in one line. Transformer Engine is absent on a
 CPU machine, so its classes are stand-ins here; tests/gpu/test_paths.py trains with the real ones."""
 
 import dataclasses
@@ -8,6 +9,7 @@ import functools
 import types
 
 import pytest
+import torch
 import torch.nn.functional as F
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.moe.moe_layer import MoELayer
@@ -17,7 +19,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 
 from megatron_patch.models.family import UnsupportedConfig
 from megatron_patch.models.modules import mlp_class
-from megatron_patch.models.modules.fused_mlp import with_te_fused_mlp
+from megatron_patch.models.modules.fused_mlp import with_te_activation, with_te_fused_mlp, with_te_mlp
 
 
 class LayerNormLinear:  # stand-ins for Transformer Engine's classes
@@ -157,3 +159,145 @@ def test_the_provider_refuses_a_model_built_with_a_plain_dense_mlp():
     check_built(model(MLP), off, post_process=False)
     with pytest.raises(ValueError, match="built its plain MLP, not TEFusedMLP, for a dense layer"):
         check_built(model(FusedMLP, MLP, MoELayer), on, post_process=False)
+
+
+# --use-te-activation-func: Transformer Engine's activation op in every dense MLP (with_te_activation)
+
+class ActivationOp(torch.nn.Module):  # stand-in for megatron-core's TEActivationOp (TE's SwiGLU op)
+    def __init__(self, config):
+        super().__init__()
+
+    def forward(self, x):
+        gate, linear = torch.chunk(x, 2, dim=-1)
+        return F.silu(gate) * linear
+
+
+@pytest.fixture
+def te_op(te, monkeypatch):
+    monkeypatch.setattr(te, "TEActivationOp", ActivationOp, raising=False)
+    return te
+
+
+def _act_config(**kw):
+    return _config(**{"use_transformer_engine_op_fuser": False, "use_te_activation_func": True, **kw})
+
+
+@pytest.mark.parametrize("partial", [True, False])
+def test_a_dense_layer_gets_the_activation_op_and_keeps_its_linear_layers(te_op, partial):
+    layer = _layer(_mlp(partial=partial))
+    out = with_te_activation(layer, _act_config())
+    parts = out.submodules.mlp.keywords["submodules"] if partial else out.submodules.mlp.submodules
+    before = layer.submodules.mlp.keywords["submodules"] if partial else layer.submodules.mlp.submodules
+    assert parts.activation_func is ActivationOp and before.activation_func is None  # not changed in place
+    assert (parts.linear_fc1, parts.linear_fc2) == (before.linear_fc1, before.linear_fc2)
+    assert mlp_class(out.submodules.mlp) is MLP
+    assert with_te_activation(layer, _config()) is layer  # off: as it is
+
+
+def test_the_activation_op_goes_to_dense_layers_of_a_block_and_into_the_fused_mlp(te_op):
+    """MoE layers keep megatron-core's spec (its MoE specs carry the op); with the op fuser on too, TEFusedMLP
+    gets the activation in its submodules, as megatron-core's own spec gives it."""
+    moe = _layer(ModuleSpec(module=MoELayer))
+    block = TransformerBlockSubmodules(layer_specs=[_layer(_mlp()), moe], layer_norm=LayerNormLinear)
+    out = with_te_mlp(block, _act_config(use_transformer_engine_op_fuser=True))
+    dense = out.layer_specs[0].submodules.mlp
+    assert mlp_class(dense) is FusedMLP and dense.keywords["submodules"].activation_func is ActivationOp
+    assert out.layer_specs[1] is moe
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"transformer_impl": "local"}, "--use-te-activation-func needs --transformer-impl transformer_engine, not local"),
+    ({"activation_func": F.gelu}, "maps only SwiGLU (a gated silu) to Transformer Engine's activation as it is; this "
+                                  "model's MLP is gated, with gelu"),
+    ({"gated_linear_unit": False}, "this model's MLP is not gated, with silu"),
+    ({"activation_func": F.relu, "gated_linear_unit": False}, "not gated, with relu"),
+    ({"activation_func_clamp_value": 7.0}, "skips activation_func_clamp_value (7.0)"),
+    ({"glu_linear_offset": 1.0}, "skips glu_linear_offset (1.0)"),
+])
+def test_what_the_activation_op_would_compute_otherwise_is_refused(te_op, change, message):
+    with pytest.raises(UnsupportedConfig) as e:
+        with_te_activation(_layer(_mlp()), _act_config(**change))
+    assert message in str(e.value) and str(e.value).startswith("--use-te-activation-func")
+
+
+def test_a_layer_without_megatron_core_s_mlp_or_te_s_op_is_refused(te_op, monkeypatch):
+    with pytest.raises(UnsupportedConfig, match="this model's MLP is TransformerLayer, not megatron-core's MLP"):
+        with_te_activation(_layer(ModuleSpec(module=TransformerLayer)), _act_config())
+    monkeypatch.setattr(te_op, "TEActivationOp", None)
+    with pytest.raises(UnsupportedConfig, match="needs Transformer Engine 1.13 or newer"):
+        with_te_activation(_layer(_mlp()), _act_config())
+
+
+def _plain_and_op_mlp_agree(rank: int, bias: bool) -> bool:
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_patch.models.modules.fused_mlp import _with_activation_op
+    from tests import _cpu
+
+    _cpu.init_model_parallel()
+    common = dict(num_layers=1, hidden_size=16, ffn_hidden_size=24, num_attention_heads=2, gated_linear_unit=True,
+                  activation_func=F.silu, add_bias_linear=bias, bias_activation_fusion=False,
+                  use_cpu_initialization=True, gradient_accumulation_fusion=False)
+    plain_cfg, op_cfg = TransformerConfig(**common), TransformerConfig(**common, use_te_activation_func=True)
+    spec = _layer(ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                                                  linear_fc2=RowParallelLinear)))
+    plain = build_module(spec.submodules.mlp, config=plain_cfg)
+    with_op = build_module(_with_activation_op(spec, ActivationOp).submodules.mlp, config=op_cfg)
+    assert isinstance(with_op.activation_func, ActivationOp)
+    assert not isinstance(plain.activation_func, torch.nn.Module)
+    with_op.load_state_dict(plain.state_dict())
+    x = torch.randn(5, 2, 16)
+    (a, a_bias), (b, b_bias) = plain(x), with_op(x)
+    return torch.equal(a, b) and (a_bias is None) == (b_bias is None)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_megatron_core_s_mlp_with_the_op_computes_the_plain_swiglu(bias):
+    """The seam itself, built: megatron-core's MLP from a spec with the activation module our transform sets,
+    under `use_te_activation_func`, hands the module fc1's whole output (with its bias added) and gives the plain
+    MLP's output with the same weights (local linear layers and the stand-in op on a CPU; TE's op on the GPU,
+    tests/gpu/test_paths.py)."""
+    from tests import _cpu
+
+    assert _cpu.run_world(1, _plain_and_op_mlp_agree, bias) == [True]
+
+
+def test_the_provider_refuses_an_mlp_left_with_a_plain_activation():
+    """`training.model.check_built` with `--use-te-activation-func`: every module with fc1 and an activation (a
+    dense MLP, an expert's, a grouped experts module) must hold TE's op, not a function megatron-core would apply to
+    fc1's whole output."""
+    from megatron_patch.training.model import check_built
+
+    def mlp(activation):
+        m = torch.nn.Module()
+        m.linear_fc1 = torch.nn.Linear(2, 4)
+        m.activation_func = activation
+        return m
+
+    on = types.SimpleNamespace(use_te_activation_func=True)
+    model = torch.nn.ModuleList([mlp(ActivationOp(None)), mlp(ActivationOp(None))])
+    check_built(model, on, post_process=False)
+    check_built(torch.nn.ModuleList([mlp(F.silu)]), types.SimpleNamespace(), post_process=False)
+    with pytest.raises(ValueError, match="built Module with a plain activation function, not Transformer Engine's"):
+        check_built(torch.nn.ModuleList([mlp(ActivationOp(None)), mlp(F.silu)]), on, post_process=False)
+
+
+def test_the_pretrain_arguments_turn_megatron_s_compiled_swiglu_off_and_refuse_other_activations():
+    """`training.arguments.apply_te_activation`: megatron-core refuses its compiled SwiGLU (`--bias-swiglu-fusion`,
+    on by default) together with TE's activation, so the option turns it off; a model TE's op would compute
+    otherwise is refused at parse time."""
+    import argparse
+
+    from megatron_patch.training.arguments import apply_te_activation
+
+    args = argparse.Namespace(use_te_activation_func=True, transformer_impl="transformer_engine",
+                              bias_swiglu_fusion=True, bias_gelu_fusion=True)
+    apply_te_activation(args, {"activation_func": F.silu, "gated_linear_unit": True})
+    assert args.bias_swiglu_fusion is False and args.bias_gelu_fusion is False
+    with pytest.raises(UnsupportedConfig, match="this model's MLP is not gated, with gelu"):
+        apply_te_activation(args, {"activation_func": F.gelu, "gated_linear_unit": False})
+    off = argparse.Namespace(use_te_activation_func=False, bias_swiglu_fusion=True)
+    apply_te_activation(off, {"activation_func": F.gelu, "gated_linear_unit": False})
+    assert off.bias_swiglu_fusion is True

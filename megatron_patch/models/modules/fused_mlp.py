@@ -1,10 +1,19 @@
-"""`--use-transformer-engine-op-fuser` (megatron's own option, the `TransformerConfig` field
-`use_transformer_engine_op_fuser`): each Transformer Engine layer's dense MLP as megatron-core's `TEFusedMLP`,
-which runs norm, fc1, the (gated) activation and fc2 as one `transformer_engine.pytorch.ops.Sequential`, so
-Transformer Engine may fuse across them (under fp8: the activation writes fc2's fp8 input, and its backward
-the fp8 gradient fc1 needs, where the plain MLP runs megatron-core's compiled SwiGLU in bf16 and TE casts
-again). The parameters, their names and the checkpoints are the plain MLP's. megatron.training's own model
-builder passes the option to megatron-core's layer spec; ours applies it to every family's layer specs here."""
+"""Megatron's two Transformer Engine options for the dense MLP, which megatron.training's own model builder
+passes to megatron-core's layer spec and which ours applies to every family's layer specs here (`with_te_mlp`):
+
+- `--use-transformer-engine-op-fuser` (the `TransformerConfig` field `use_transformer_engine_op_fuser`): each
+  Transformer Engine layer's dense MLP as megatron-core's `TEFusedMLP`, which runs norm, fc1, the (gated)
+  activation and fc2 as one `transformer_engine.pytorch.ops.Sequential`, so Transformer Engine may fuse across
+  them (under fp8: the activation writes fc2's fp8 input, and its backward the fp8 gradient fc1 needs, where the
+  plain MLP runs megatron-core's compiled SwiGLU in bf16 and TE casts again).
+- `--use-te-activation-func` (`use_te_activation_func`): the plain MLP with Transformer Engine's SwiGLU op
+  (megatron-core's `TEActivationOp`) as its activation, one kernel forward and one backward, in place of
+  megatron-core's SwiGLU compiled by torch.compile, whose backward ran at about half the HBM bandwidth at
+  LLaMA-3-8B widths (docs/benchmarks.md, 2026-12-05). megatron-core's MoE specs give experts and shared experts
+  the op already; a dense layer spec from `get_gpt_layer_with_transformer_engine_spec` has none, and megatron-core's
+  MLP then applies the plain activation to fc1's whole output (both halves) when the option is on.
+
+The parameters, their names and the checkpoints are the plain MLP's in both."""
 
 from __future__ import annotations
 
@@ -15,6 +24,7 @@ from megatron_patch.models.family import UnsupportedConfig
 from megatron_patch.models.modules import mlp_class, replace_mlp
 
 FLAG = "--use-transformer-engine-op-fuser"
+ACTIVATION_FLAG = "--use-te-activation-func"
 
 
 def _mlp_submodules(mlp):
@@ -63,8 +73,19 @@ def _fused_layer(layer_spec, fused: type, fc1: type, fc2: type):
     return dataclasses.replace(layer_spec, submodules=dataclasses.replace(sub, mlp=replace_mlp(mlp, module=fused)))
 
 
-def _fused_block(block, parts: tuple):
-    return dataclasses.replace(block, layer_specs=[_fused_layer(layer, *parts) for layer in block.layer_specs])
+def _each_layer(spec, change):
+    """`spec` (one layer spec, a TransformerBlockSubmodules of one per layer, or a ModuleSpec of such a block)
+    with `change(layer_spec)` in place of each layer spec; the spec given is not changed in place."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    def block(b):
+        return dataclasses.replace(b, layer_specs=[change(layer) for layer in b.layer_specs])
+
+    if isinstance(getattr(spec, "submodules", None), TransformerBlockSubmodules):  # a ModuleSpec of the block
+        return dataclasses.replace(spec, submodules=block(spec.submodules))
+    if isinstance(spec, TransformerBlockSubmodules):
+        return block(spec)
+    return change(spec)
 
 
 def with_te_fused_mlp(spec, config):
@@ -76,15 +97,73 @@ def with_te_fused_mlp(spec, config):
     if config.transformer_impl != "transformer_engine":
         raise UnsupportedConfig(f"{FLAG} needs --transformer-impl transformer_engine, not {config.transformer_impl}")
     from megatron.core.extensions import transformer_engine as te_ext
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     fused = getattr(te_ext, "TEFusedMLP", None)
     if fused is None:
         raise UnsupportedConfig(f"{FLAG} needs Transformer Engine 1.13 or newer (megatron-core's TEFusedMLP)")
     _check_activation(config)
     parts = (fused, te_ext.TELayerNormColumnParallelLinear, te_ext.TERowParallelLinear)
-    if isinstance(getattr(spec, "submodules", None), TransformerBlockSubmodules):  # a ModuleSpec of the block
-        return dataclasses.replace(spec, submodules=_fused_block(spec.submodules, parts))
-    if isinstance(spec, TransformerBlockSubmodules):
-        return _fused_block(spec, parts)
-    return _fused_layer(spec, *parts)
+    return _each_layer(spec, lambda layer: _fused_layer(layer, *parts))
+
+
+def check_te_activation(config) -> None:
+    """UnsupportedConfig, saying why, where `--use-te-activation-func` would not compute the model's MLP as it is:
+    without Transformer Engine's layers, or for an activation other than SwiGLU (a gated SiLU). megatron-core's
+    `TEActivationOp` maps a gated SiLU to TE's SwiGLU, exactly; but GELU to TE's tanh approximation (whatever the
+    model's GELU), a plain SiLU to TE's ReLU, and nothing for a plain ReLU; megatron-core's MLP then also skips the
+    clamp and the linear half's offset some models set. `config`: a TransformerConfig or its arguments' names."""
+    import torch.nn.functional as F
+
+    impl = getattr(config, "transformer_impl", "transformer_engine")
+    if impl != "transformer_engine":
+        raise UnsupportedConfig(f"{ACTIVATION_FLAG} needs --transformer-impl transformer_engine, not {impl}")
+    fn = config.activation_func
+    if fn is not F.silu or not config.gated_linear_unit:
+        name = getattr(fn, "__name__", type(fn).__name__)
+        gated = "gated" if config.gated_linear_unit else "not gated"
+        raise UnsupportedConfig(f"{ACTIVATION_FLAG}: megatron-core maps only SwiGLU (a gated silu) to Transformer "
+                                f"Engine's activation as it is; this model's MLP is {gated}, with {name}")
+    for field, plain in (("activation_func_clamp_value", None), ("glu_linear_offset", 0.0)):
+        if getattr(config, field, plain) not in (plain, None):
+            raise UnsupportedConfig(f"{ACTIVATION_FLAG}: megatron-core's MLP skips {field} "
+                                    f"({getattr(config, field)}) that this model sets, with it on")
+
+
+def _with_activation_op(layer_spec, op: type):
+    """The layer spec with `op` as its dense MLP's activation module; a mixture-of-experts layer's unchanged
+    (megatron-core's MoE specs carry the op), and a layer without megatron-core's MLP refused."""
+    from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    sub = getattr(layer_spec, "submodules", None)
+    mlp = getattr(sub, "mlp", None)
+    cls = mlp_class(mlp)
+    if cls is not None and issubclass(cls, MoELayer):
+        return layer_spec
+    if cls is None or not issubclass(cls, MLP):
+        name = getattr(cls, "__name__", type(mlp).__name__)
+        raise UnsupportedConfig(f"{ACTIVATION_FLAG}: this model's MLP is {name}, not megatron-core's MLP, whose "
+                                "activation module the option sets")
+    mlp = replace_mlp(mlp, submodules=lambda parts: dataclasses.replace(parts, activation_func=op))
+    return dataclasses.replace(layer_spec, submodules=dataclasses.replace(sub, mlp=mlp))
+
+
+def with_te_activation(spec, config):
+    """`spec` with Transformer Engine's activation op in every dense MLP when `config.use_te_activation_func`,
+    else `spec` (module docstring). UnsupportedConfig, saying why, where the op would compute something else."""
+    if not getattr(config, "use_te_activation_func", False):
+        return spec
+    check_te_activation(config)
+    from megatron.core.extensions import transformer_engine as te_ext
+
+    op = getattr(te_ext, "TEActivationOp", None)
+    if op is None:
+        raise UnsupportedConfig(f"{ACTIVATION_FLAG} needs Transformer Engine 1.13 or newer (megatron-core's "
+                                "TEActivationOp)")
+    return _each_layer(spec, lambda layer: _with_activation_op(layer, op))
+
+
+def with_te_mlp(spec, config):
+    """`spec` with both options of the module docstring applied as `config` sets them (the activation op first,
+    so that `TEFusedMLP` takes the same submodules as megatron-core's spec gives it)."""
+    return with_te_fused_mlp(with_te_activation(spec, config), config)
