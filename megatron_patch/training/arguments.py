@@ -77,8 +77,9 @@ def add_patch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--fused-single-qkv-rope", action=argparse.BooleanOptionalAction, default=False,
                    help="RoPE on the fused QKV projection's output in one Transformer Engine kernel, without "
                         "splitting it into query, key and value first (megatron-core's TransformerConfig field, "
-                        "which its parser does not offer); needs Transformer Engine, RoPE, no query/key norm, "
-                        "no multi-latent attention and no packed sequences (SFT)")
+                        "which its parser does not offer); needs Transformer Engine, plain RoPE (not interleaved, "
+                        "YaRN or multimodal), no query/key norm, no multi-latent attention and no packed "
+                        "sequences (SFT)")
     g.add_argument("--model-class", choices=MODEL_CLASSES, default="gpt",
                    help="gpt: megatron-core's GPTModel; hybrid: its HybridModel (megatron-core >= 0.19), the same "
                         "model with attention and MLP as separate layers (--hybrid-layer-pattern comes from the "
@@ -227,7 +228,9 @@ def check_fp8_output_layer(args: argparse.Namespace) -> None:
 
 def check_fused_qkv_rope(args: argparse.Namespace, model: dict) -> None:
     """`--fused-single-qkv-rope` where megatron-core's attention takes it (otherwise it asserts at the first
-    forward): Transformer Engine, RoPE, no query/key norm, no multi-latent attention, no packed sequences.
+    forward): Transformer Engine, RoPE, no query/key norm, no multi-latent attention, no packed sequences; and
+    where it computes the model's rotation: megatron-core hands Transformer Engine's fused QKV RoPE neither the
+    interleaved layout nor YaRN's mscale nor multimodal sections (it would rotate the wrong pairs silently).
     `model`: the family's TransformerConfig arguments."""
     if not getattr(args, "fused_single_qkv_rope", False):
         return
@@ -235,11 +238,15 @@ def check_fused_qkv_rope(args: argparse.Namespace, model: dict) -> None:
                (f"position embedding {args.position_embedding_type}", args.position_embedding_type != "rope"),
                ("this model's query/key norm", bool(model.get("qk_layernorm"))),
                ("multi-latent attention", bool(model.get("multi_latent_attention"))),
-               ("SFT's packed sequences (--sft-data)", bool(getattr(args, "sft_data", None)))]
+               ("SFT's packed sequences (--sft-data)", bool(getattr(args, "sft_data", None))),
+               ("this model's interleaved rotary embedding", bool(model.get("rotary_interleaved"))),
+               ("YaRN's rotary scaling", model.get("rope_type") == "yarn"),
+               ("multimodal RoPE sections", model.get("mrope_section") is not None)]
     for what, bad in refused:
         if bad:
             raise ValueError(f"--fused-single-qkv-rope cannot run with {what}: it needs Transformer Engine, "
-                             "RoPE, no query/key norm, no multi-latent attention and no packed sequences")
+                             "plain RoPE (not interleaved, YaRN or multimodal), no query/key norm, no multi-latent "
+                             "attention and no packed sequences")
 
 
 def apply_te_activation(args: argparse.Namespace, model: dict) -> None:

@@ -31,6 +31,11 @@ def test_fused_qkv_rope_reaches_the_transformer_config():
     ("qwen3", {}, "query/key norm"),
     ("deepseek_v2", {}, "multi-latent attention"),
     ("gqa", {"sft_data": ["chat.jsonl"]}, "packed sequences"),
+    # megatron-core calls TE's fused QKV RoPE without the interleaved flag or YaRN's mscale (attention.py,
+    # `apply_fused_qkv_rotary_pos_emb(mixed_qkv, q_pos_emb, k_pos_emb, qkv_split_arg_list)`): it would rotate these
+    # models' halves where their pairs are, silently, instead of asserting
+    ("glm", {}, "interleaved rotary embedding"),
+    ("gptj", {}, "interleaved rotary embedding"),
 ])
 def test_fused_qkv_rope_is_refused_where_megatron_core_would_assert(variant, over, message):
     cfg = any_config(variant)
