@@ -52,7 +52,16 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from generate_bench import SHAPES, Timer, _Ids, hf_config, read_prompts, versions, write_prompts  # noqa: E402
+from generate_bench import (  # noqa: E402
+    SHAPES,
+    Timer,
+    _Ids,
+    bandwidth,
+    hf_config,
+    read_prompts,
+    versions,
+    write_prompts,
+)
 from trace_summary import _events, summarise  # noqa: E402
 
 
@@ -274,7 +283,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--impl", default="transformer_engine", choices=["transformer_engine", "local"])
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    ap.add_argument("--bandwidth-tb-s", type=float, default=4.8, help="memory bandwidth for the bound (H200: 4.8)")
+    ap.add_argument("--bandwidth-tb-s", type=float, default=None,
+                    help="memory bandwidth for the bound, TB/s (default: the GPU's, benchmarks/machine.py)")
     ap.add_argument("--gemv", nargs="+", choices=["on", "attn", "gemv", "off"], default=["on"],
                     help="our decode kernels (GPU only): on = batch-1 decode's linear layers on the Triton GEMV "
                          "kernel (dynamic.DECODE_GEMV) and decode attention on the split-KV kernels "
@@ -317,7 +327,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         prompts = read_prompts(path, SHAPES[a.shape]["vocab_size"])
     print(json.dumps(versions()), flush=True)
     model = build(a, max(len(p) for p in prompts) + a.new)
-    bound_ms = decode_bytes(model) / (a.bandwidth_tb_s * 1e12) * 1e3
+    bound_ms = decode_bytes(model) / (bandwidth(a) * 1e12) * 1e3
     timer, rows, seen = Timer(a.device, a.repeat), [], {}
     from megatron_patch.inference import dynamic
 

@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from machine import hbm_tb_s  # noqa: E402  (beside this script)
+
 from megatron_patch.inference.gemv import Norm, config_for, gemv  # noqa: E402
 
 # (name, N, K) of one layer's GEMMs, then the output layer; layers
@@ -87,14 +89,15 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="8b", choices=sorted(SHAPES))
     p.add_argument("--rows", type=int, default=1, help="tokens per call (1 = batch-1 decode)")
-    p.add_argument("--bandwidth-tb-s", type=float, default=4.8)
+    p.add_argument("--bandwidth-tb-s", type=float, default=None,
+                   help="HBM bandwidth, TB/s (default: the GPU's, benchmarks/machine.py)")
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--reps", type=int, default=20)
     a = p.parse_args(argv)
     layer, output, layers = SHAPES[a.shape]
     torch.manual_seed(0)
     x = torch.randn(a.rows, max(k for _, _, k in layer + [output]), device="cuda", dtype=torch.bfloat16)
-    bw = a.bandwidth_tb_s * 1e12
+    bw = (a.bandwidth_tb_s or hbm_tb_s(torch.cuda.get_device_name())) * 1e12
     norms = {k: Norm("RMSNorm", 1 + 0.1 * torch.randn(k, device="cuda", dtype=torch.bfloat16), None, 1e-5)
              for k in {k for _, _, k in layer + [output]}}
     for name, n, k in layer + [output]:

@@ -34,7 +34,10 @@ wall time of the call (prefill included), median of --repeat after one warm-up c
 At N = 1 each side is also timed for a single new token, and ms per decoded token = (time for --new tokens -
 time for 1) / (--new - 1), next to the memory-bandwidth bound: the bytes a decode step must read (every
 weight but the input embedding table, of which one row is read; the KV cache is small at N = 1) divided
-by --bandwidth-tb-s (4.8 for the H200). Peak memory: torch.cuda.max_memory_allocated during the call.
+by --bandwidth-tb-s (default: the GPU's own, by its name: 4.8 for the H200, 3.35 for the H100). Peak memory:
+torch.cuda.max_memory_allocated during the call. `--results FILE` keeps each row in FILE as it is measured; the same
+command run again on the same machine and code takes the rows kept there and measures the rest (a shape whose rows
+are all kept is not even built): one table over several time-limited calls (benchmarks/results_file.py).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import argparse
 import contextlib
 import datetime
 import gc
+import hashlib
 import importlib.metadata
 import json
 import os
@@ -51,6 +55,8 @@ import time
 from collections.abc import Iterator
 
 import torch
+from machine import code_hash, hbm_tb_s, machine  # beside this script
+from results_file import ResultsFile
 
 # DeepSeek-V2-Lite's rotary embedding (its config.json): YaRN, as every released DeepSeek MLA model rotates
 V2_LITE_YARN = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
@@ -186,7 +192,19 @@ class _Ids:
         return ""
 
 
-def run_shape(a, shape: str, prompts: list[list[int]], timer: Timer) -> list[dict]:
+def run_ids(a) -> list[str]:
+    """The rows of each request count, in order: our engines, then HF's rows."""
+    return [*a.engines, *(h for h in HF_RUNS if h in a.hf)]
+
+
+def run_shape(a, shape: str, prompts: list[list[int]], timer: Timer, kept: ResultsFile) -> list[dict]:
+    keys = [f"{shape}|{n}|{rid}" for n in a.requests for rid in run_ids(a)]
+    if keys and all(kept.get(k) is not None for k in keys):  # every row kept by an earlier call: nothing to build
+        rows = [kept.get(k) for k in keys]
+        for row in rows:
+            print(json.dumps(row), flush=True)
+        add_vs_hf(rows)
+        return rows
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from megatron_patch.conversion.engine import hf_to_megatron, load_rank_state_dict, make_plan
@@ -209,7 +227,7 @@ def run_shape(a, shape: str, prompts: list[list[int]], timer: Timer) -> list[dic
     model.eval()
     del sd
     graphs = {"local": True, "none": False, None: None}[a.cuda_graph_impl]
-    bound_ms = bytes_read_per_decode_step(hf) / (a.bandwidth_tb_s * 1e12) * 1e3
+    bound_ms = bytes_read_per_decode_step(hf) / (bandwidth(a) * 1e12) * 1e3
     rows = []
     tokenizer = _Ids()  # one object: the dynamic engine is reused while the tokenizer and plan stay (_Engines.get)
     moe = bool(moe_layers(model))
@@ -234,29 +252,42 @@ def run_shape(a, shape: str, prompts: list[list[int]], timer: Timer) -> list[dic
         plan = dynamic.plan_engine(model, batch, a.new, max_requests=n, cuda_graphs=graphs) if moe else None
         path = ("" if plan is None else ", dropless MoE" if plan.moe_dropless else
                 ", padded MoE" if plan.cuda_graphs else "")
-        runs = [(f"ours ({engine} engine{path if engine == 'dynamic' else ''})",
-                 lambda new=a.new, engine=engine: ours(new, engine)) for engine in a.engines]
-        if "hf" in a.hf:
-            runs.append(("HF generate", hf_call))
-        if "hf-static-compile" in a.hf:
-            runs.append(("HF static cache + torch.compile",
-                         lambda new=a.new: hf_call(new, cache_implementation="static")))
-        for name, fn in runs:
-            row = {"shape": shape, "requests": n, "run": name}
-            try:
-                seconds, peak = timer(fn)
-                one = timer(lambda fn=fn: fn(1))[0] if n == 1 else None
-                row.update(timing_fields(n, a.new, seconds, one, bound_ms),
-                           peak_gib=None if peak is None else round(peak, 2))
-                if name.startswith("HF static"):
-                    row["compiled"] = hf_compiled(hf)
-            except Exception as e:  # a row that cannot run says why, the others go on
-                row["skipped"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        runs = {engine: (f"ours ({engine} engine{path if engine == 'dynamic' else ''})",
+                         lambda new=a.new, engine=engine: ours(new, engine)) for engine in a.engines}
+        runs["hf"] = ("HF generate", hf_call)
+        runs["hf-static-compile"] = ("HF static cache + torch.compile",
+                                     lambda new=a.new: hf_call(new, cache_implementation="static"))
+        for rid in run_ids(a):
+            name, fn = runs[rid]
+            row = kept.measured(f"{shape}|{n}|{rid}", lambda name=name, fn=fn, n=n: measure_row(
+                a, timer, shape, n, name, fn, bound_ms, hf), failed="skipped")
             rows.append(row)
             print(json.dumps(row), flush=True)
         release_engine()
     add_vs_hf(rows)
     return rows
+
+
+def measure_row(a, timer: Timer, shape: str, n: int, name: str, fn, bound_ms: float, hf) -> dict:
+    """One row: `fn(new)` timed (and at one request `fn(1)`, for ms per decoded token); a row that cannot run says
+    why (`skipped`), the others go on."""
+    row = {"shape": shape, "requests": n, "run": name}
+    try:
+        seconds, peak = timer(fn)
+        one = timer(lambda: fn(1))[0] if n == 1 else None
+        row.update(timing_fields(n, a.new, seconds, one, bound_ms), peak_gib=None if peak is None else round(peak, 2))
+        if name.startswith("HF static"):
+            row["compiled"] = hf_compiled(hf)
+    except Exception as e:  # a row that cannot run says why, the others go on
+        row["skipped"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    return row
+
+
+def bandwidth(a) -> float:
+    """--bandwidth-tb-s, or the GPU's own (benchmarks/machine.py) where not given."""
+    if a.bandwidth_tb_s:
+        return a.bandwidth_tb_s
+    return hbm_tb_s(torch.cuda.get_device_name() if a.device == "cuda" and torch.cuda.is_available() else None)
 
 
 def hf_compiled(hf) -> bool:
@@ -324,7 +355,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--cuda-graph-impl", choices=["local", "none"], default=None,
                     help="our CUDA graphs (default: on a GPU)")
-    ap.add_argument("--bandwidth-tb-s", type=float, default=4.8, help="memory bandwidth for the bound (H200: 4.8)")
+    ap.add_argument("--bandwidth-tb-s", type=float, default=None,
+                    help="memory bandwidth for the bound, TB/s (default: the GPU's by its name, benchmarks/machine.py: "
+                         "H200 4.8, H100 3.35)")
     ap.add_argument("--no-mla-gpu", action="store_true",
                     help="multi-latent attention (DeepSeek) on the static engine on a GPU (dynamic.MLA_ON_GPU off)")
     ap.add_argument("--no-mla-graphs", action="store_true",
@@ -341,6 +374,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "dropless = grouped GEMMs at every request count; padded = megatron-core's dispatchers "
                          "(padded under CUDA graphs). Rows read 'dropless MoE' / 'padded MoE'")
     ap.add_argument("--out", help="also write the rows and versions here as JSON")
+    ap.add_argument("--results", metavar="FILE",
+                    help="keep each measured row in FILE (JSON lines) and take the rows kept there by an earlier call "
+                         "of the same command on the same machine and code (benchmarks/results_file.py)")
     a = ap.parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no GPU here (use --shapes tiny --device cpu --impl local --dtype fp32)")
@@ -382,11 +418,15 @@ def main(argv: list[str] | None = None) -> dict:
     info = versions()
     print(json.dumps(info), flush=True)
     timer = Timer(a.device, a.repeat)
+    settings = {k: v for k, v in vars(a).items() if k not in ("results", "out", "prompts")}
+    kept = ResultsFile(a.results, {"machine": machine(), "code": code_hash(), "versions": {
+        k: v for k, v in info.items() if k != "date"}, "settings": settings,
+        "prompts": hashlib.sha256(json.dumps(prompts[:max(a.requests)]).encode()).hexdigest()[:16]})
     rows = []
     with dynamic.moe_dispatch(a.moe_dispatch), switches(a.no_mla_gpu, a.no_mla_graphs, a.no_mla_rope,
                                                         a.no_moe_router_fusion):
         for shape in a.shapes:
-            rows.extend(run_shape(a, shape, prompts, timer))
+            rows.extend(run_shape(a, shape, prompts, timer, kept))
             if a.device == "cuda":  # this shape's models are gone: free their memory for the next
                 gc.collect()
                 torch.cuda.empty_cache()

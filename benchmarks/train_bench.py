@@ -5,8 +5,12 @@ torchtitan accumulate gradients over them too). Prints a table (docs/benchmarks.
 
     python benchmarks/train_bench.py [--shapes 1b 8b] [--micro-batches 8] [--iters 12] [--runs bf16 fp8 ...]
         [--hf hf hf-liger hf-compile] [--torchtitan torchtitan torchtitan-eager torchtitan-sac torchtitan-fp8]
-        [--losses 20]
+        [--losses 20] [--results FILE]
     python benchmarks/train_bench.py --shapes 8b-full --gpus 2 --runs "fp8 tp2" "fp8 pp2" "fp8 dp2"   # 2 GPUs
+
+`--results FILE` keeps each measured row in FILE as it is measured; the same command run again on the same
+machine and code takes the rows kept there and measures the rest, so a table longer than one time-limited call
+(the GPU machine's 10 minutes) comes from one command run in several calls (`benchmarks/results_file.py`).
 
 Runs (`--runs`, names from RUNS): our path with a throughput profile (`none` = Megatron's defaults,
 `default`, `benchmark`) plus at most one more setting, so each row shows what one setting costs or buys
@@ -455,6 +459,8 @@ def torchdynamo_on(argv: list[str]) -> None:
 def main() -> None:
     torchdynamo_on(sys.argv[1:])
     import titan_peer  # beside this script: the torchtitan rows
+    from machine import code_hash, machine  # beside this script
+    from results_file import ResultsFile
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="+", default=["1b", "8b"], choices=sorted(SHAPES))
@@ -469,6 +475,10 @@ def main() -> None:
                     help="also compare the first N iterations' losses with each run's reference run (the same "
                          "precision's 'none' run, or LOSS_REFERENCE's)")
     ap.add_argument("--trace", choices=sorted(RUNS), help="record and summarise a profiler trace of this run")
+    ap.add_argument("--results", metavar="FILE",
+                    help="keep each measured row in FILE (JSON lines) and take the rows kept there by an earlier "
+                         "call of the same command on the same machine and code: one table over several "
+                         "time-limited calls (benchmarks/results_file.py)")
     ap.add_argument("--dry-run", action="store_true", help="print our runs' commands, run nothing")
     ap.add_argument("--hf-worker", choices=HF_RUNS, help=argparse.SUPPRESS)  # one HF row (hf() starts it)
     a = ap.parse_args()
@@ -488,18 +498,25 @@ def main() -> None:
             return
         meta = versions()
         print(json.dumps(meta), flush=True)
+        kept = ResultsFile(a.results, {"machine": machine(), "code": code_hash(), "versions": {
+            k: v for k, v in meta.items() if k != "date"}, "settings": {
+            "iters": a.iters, "micro_batches": a.micro_batches, "gpus": a.gpus, "losses": a.losses}})
+
+        def add(shape_rows: ShapeRows, name: str, measure, *args) -> None:  # measured, or kept by an earlier call
+            shape_rows.add(name, kept.measured(f"{shape_rows.shape}|{name}", lambda: measure(*args)))
+
         for shape in a.shapes:
             flops = flops_per_sample(shape)
             shape_rows = ShapeRows(shape, flops, a.gpus, a.losses, rows)
             for name in a.hf:
-                shape_rows.add(name, hf(shape, name, a.iters, a.micro_batches))
+                add(shape_rows, name, hf, shape, name, a.iters, a.micro_batches)
             for name in a.torchtitan:
-                shape_rows.add(name, titan_peer.run(SHAPES[shape], VOCAB, name, a.iters, a.micro_batches))
+                add(shape_rows, name, titan_peer.run, SHAPES[shape], VOCAB, name, a.iters, a.micro_batches)
             runs = list(a.runs)
             if a.losses:  # the references of the loss comparison, measured first
                 runs = with_references(runs)
             for run in runs:
-                shape_rows.add(f"ours {run}", ours(shape, run, max(a.iters, a.losses), a.micro_batches, a.gpus, tmp))
+                add(shape_rows, f"ours {run}", ours, shape, run, max(a.iters, a.losses), a.micro_batches, a.gpus, tmp)
             if a.trace:
                 from trace_summary import summarise_folder  # beside this script
 

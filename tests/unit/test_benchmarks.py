@@ -474,3 +474,77 @@ def test_every_run_parses_as_the_pretrain_command_line(monkeypatch):
             megatron_parse_args(add_patch_args)
         except SystemExit as e:
             pytest.fail(f"{run}: the pretrain parser refused {argv} (exit {e.code})")
+
+
+def test_one_table_over_several_calls_with_a_results_file(monkeypatch, tmp_path, capsys):
+    """`--results FILE` (benchmarks/results_file.py): the GPU machine gives 10 minutes a call, the ablation takes
+    several; run again with the same file, train_bench takes the rows kept by the earlier call and measures only
+    the rest (a failed row again), and the table holds them all; another setting, machine or code is refused in
+    one line."""
+    import titan_peer
+    import train_bench as tb
+
+    measured: list[str] = []
+    fp8_calls = []
+
+    def fake_ours(shape, run, iters, micro_batches, gpus, tmp, trace_dir=None):
+        measured.append(run)
+        fp8_calls.extend([run] if run == "fp8" else [])
+        if fp8_calls == ["fp8"] and run == "fp8":
+            return {"error": "cut by the call's time limit"}
+        return {"s_per_iter": 1.0, "samples": 8, "peak_gb": 60.0, "losses": [11.0, 10.0, 9.0]}
+
+    def fake_hf(shape, name, iters, micro_batches):
+        measured.append(name)
+        return {"s_per_iter": 2.0, "samples": 8, "peak_gb": 45.0}
+
+    monkeypatch.setattr(tb, "torchdynamo_on", lambda argv: None)  # (it restarts the process where dynamo is off)
+    monkeypatch.setattr(tb, "ours", fake_ours)
+    monkeypatch.setattr(tb, "hf", fake_hf)
+    monkeypatch.setattr(titan_peer, "run", lambda *a: pytest.fail("torchtitan is not asked for"))
+    results = tmp_path / "out" / "tb.jsonl"
+    argv = ["train_bench.py", "--shapes", "8b", "--torchtitan", "none", "--losses", "3", "--runs", "bf16", "fp8",
+            "--results", str(results)]
+
+    def table(args):
+        monkeypatch.setattr(sys, "argv", args)
+        tb.main()
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
+
+    first = table(argv)
+    assert measured == ["hf", "bf16 none", "bf16", "fp8 none", "fp8"] and "error" in first[-1]
+    measured.clear()
+    second = table(argv)
+    assert measured == ["fp8"]  # only the failed row again
+    assert [r["run"] for r in second] == ["hf", "ours bf16 none", "ours bf16", "ours fp8 none", "ours fp8"]
+    assert second[:4] == first[:4] and second[-1]["vs_hf"] == 2.0 and second[-1]["max_loss_diff"] == 0.0
+    kept = [json.loads(line) for line in results.read_text().splitlines()]
+    assert list(kept[0]) == ["identity"] and [k["key"] for k in kept[1:]] == \
+        ["8b|hf", "8b|ours bf16 none", "8b|ours bf16", "8b|ours fp8 none", "8b|ours fp8"]
+    with pytest.raises(SystemExit) as e:
+        table([*argv, "--iters", "20"])
+    assert str(e.value).startswith(f"error: --results {results} holds results of another settings (")
+    assert "'iters': 12" in str(e.value) and "'iters': 20" in str(e.value)
+
+
+def test_a_results_file_is_tied_to_the_code_and_the_machine(tmp_path, monkeypatch):
+    from machine import code_hash
+    from results_file import ResultsFile
+
+    identity = {"machine": {"host": "a", "gpu_uuid": "GPU-1"}, "code": code_hash(), "settings": {"iters": 12}}
+    path = str(tmp_path / "r.jsonl")
+    first = ResultsFile(path, identity)
+    assert first.measured("8b|hf", lambda: {"s": 1}) == {"s": 1}
+    assert ResultsFile(path, identity).measured("8b|hf", lambda: pytest.fail("kept")) == {"s": 1}
+    for part, other in (("machine", {"host": "a", "gpu_uuid": "GPU-2"}), ("code", "0" * 16)):
+        with pytest.raises(SystemExit, match=f"holds results of another {part} "):
+            ResultsFile(path, {**identity, part: other})
+    assert ResultsFile(None, identity).measured("k", lambda: {"s": 2}) == {"s": 2}  # no file: nothing kept
+    # the hash follows the sources: a changed file is other code
+    root = tmp_path / "tree"
+    (root / "megatron_patch").mkdir(parents=True)
+    (root / "benchmarks").mkdir()
+    (root / "megatron_patch" / "a.py").write_text("x = 1\n")
+    before = code_hash(str(root))
+    (root / "megatron_patch" / "a.py").write_text("x = 2\n")
+    assert code_hash(str(root)) != before

@@ -71,6 +71,33 @@ def test_tiny_shape_on_cpu(tmp_path, cpu_megatron):
     assert versions["megatron-core"] == importlib.metadata.version("megatron-core")
 
 
+def test_one_table_over_several_calls_with_a_results_file(tmp_path, cpu_megatron, monkeypatch):
+    """`--results FILE` (benchmarks/results_file.py): rows kept by an earlier call of the same command are taken,
+    and a shape whose rows are all kept is not even built (the final 1B/8B table of issue 27 takes more than one
+    10-minute call); another setting is refused in one line. The bandwidth of the bound is the GPU's own unless
+    given (here, without one, the H200's default)."""
+    bench = _bench()
+    args = ["--shapes", "tiny", "--device", "cpu", "--impl", "local", "--dtype", "fp32", "--requests", "1", "2",
+            "--new", "3", "--min-prompt", "4", "--max-prompt", "12", "--repeat", "1", "--hf", "hf", "--engines",
+            "dynamic", "--prompts", str(tmp_path / "p.jsonl"), "--results", str(tmp_path / "g.jsonl")]
+    first = bench.main(args)["rows"]
+    assert [(r["requests"], r["run"]) for r in first] == [(n, run) for n in (1, 2)
+                                                         for run in ("ours (dynamic engine)", "HF generate")]
+    import megatron_patch.models
+
+    monkeypatch.setattr(megatron_patch.models, "build_model", lambda *a, **k: pytest.fail("every row is kept"))
+    second = bench.main(args)["rows"]
+    assert second == first  # the same rows, vs_hf included
+    with pytest.raises(SystemExit, match="holds results of another settings"):
+        bench.main([*args[:-2], "--new", "4", *args[-2:]])
+    assert bench.bandwidth(bench.parse_args(args)) == 4.8
+    assert bench.bandwidth(bench.parse_args([*args, "--bandwidth-tb-s", "3.35"])) == 3.35
+    from machine import hbm_tb_s
+
+    assert [hbm_tb_s(n) for n in ("NVIDIA H200", "NVIDIA H100 80GB HBM3", "NVIDIA H100 NVL", "NVIDIA H800", None)] \
+        == [4.8, 3.35, 3.9, 3.35, 4.8]
+
+
 def test_multi_latent_attention_shape_on_both_engines(tmp_path, cpu_megatron):
     """A DeepSeek shape (multi-latent attention) runs its rows on both engines, on the dynamic one with CUDA graphs
     of its decode steps on a GPU by default (no effect on a CPU, where it runs anyway, without graphs);

@@ -1,0 +1,65 @@
+"""A benchmark's measured results kept in a JSON-lines file as they are measured (`--results FILE`), so that one
+command spread over several calls of a time-limited machine (the GPU machine gives 10 minutes a call) makes one
+table: run again with the same file, it takes the results measured before and measures the rest.
+
+The file's first line is the identity of what was measured: the machine (host name and GPU), the code (a hash of
+the project's Python sources; both from benchmarks/machine.py), the versions and the command's settings. A file of
+another identity is refused in one line (`error: ...`), since a table compares rows of one machine, one code and
+one setting; a result that failed is not kept, so the next call measures it again. Each kept result is one line,
+written and flushed as soon as it is measured (a call cut by its time limit loses only the result it was
+measuring)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+
+class ResultsFile:
+    """Results by key (e.g. "8b|ours fp8"), kept in `path` (None: nothing kept, every result measured)."""
+
+    def __init__(self, path: str | None, identity: dict):
+        self.path, self.identity, self.stored = path, identity, {}
+        if not path:
+            return
+        if os.path.exists(path) and os.path.getsize(path) > 0:
+            with open(path) as f:
+                lines = [json.loads(line) for line in f if line.strip()]
+            kept = lines[0].get("identity") if lines else None
+            if kept != identity:
+                raise SystemExit(f"error: --results {path} holds results of another {_difference(kept, identity)}: "
+                                 "give a new file")
+            self.stored = {line["key"]: line["result"] for line in lines[1:]}
+        else:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self._append({"identity": identity})
+
+    def _append(self, record: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def get(self, key: str) -> dict | None:
+        """The result kept under `key`, if any."""
+        return self.stored.get(key)
+
+    def measured(self, key: str, measure, failed: str = "error") -> dict:
+        """The result kept under `key`, or `measure()`'s (a dict; kept unless it holds the key `failed`)."""
+        if key in self.stored:
+            return self.stored[key]
+        result = measure()
+        if self.path and failed not in result:
+            self.stored[key] = result
+            self._append({"key": key, "result": result})
+        return result
+
+
+def _difference(kept: dict | None, identity: dict) -> str:
+    """Which part of the identity differs, for the error line: machine, code, versions or settings."""
+    if not isinstance(kept, dict):
+        return "kind (no identity line)"
+    for part in identity:
+        if kept.get(part) != identity[part]:
+            return f"{part} ({kept.get(part)} against this run's {identity[part]})"
+    return f"identity ({sorted(set(kept) - set(identity))} beyond this run's)"
