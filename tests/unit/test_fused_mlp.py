@@ -301,3 +301,26 @@ def test_the_pretrain_arguments_turn_megatron_s_compiled_swiglu_off_and_refuse_o
     off = argparse.Namespace(use_te_activation_func=False, bias_swiglu_fusion=True)
     apply_te_activation(off, {"activation_func": F.gelu, "gated_linear_unit": False})
     assert off.bias_swiglu_fusion is True
+
+
+def test_every_family_is_taken_or_refused_in_one_line():
+    """`apply_te_activation` on every tiny family config of the suite: SwiGLU models are taken, every other model is
+    refused with the option's one line (never an AttributeError for a field a family's arguments leave out)."""
+    import argparse
+
+    from megatron_patch.models import get_family
+    from megatron_patch.training.arguments import apply_te_activation
+    from tests.models import FAMILY_VARIANTS, LLAMA_VARIANTS, OTHER_VARIANTS, any_config
+
+    taken, refused = [], []
+    for variant in [*LLAMA_VARIANTS, *FAMILY_VARIANTS, *OTHER_VARIANTS]:
+        cfg = any_config(variant)
+        args = argparse.Namespace(use_te_activation_func=True, transformer_impl="transformer_engine",
+                                  bias_swiglu_fusion=True, bias_gelu_fusion=True)
+        try:
+            apply_te_activation(args, get_family(cfg).config_kwargs(cfg))
+            taken.append(variant)
+        except UnsupportedConfig as e:
+            assert str(e).startswith("--use-te-activation-func: megatron-core maps only SwiGLU"), (variant, e)
+            refused.append(variant)
+    assert taken and refused, (taken, refused)

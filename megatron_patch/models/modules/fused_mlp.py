@@ -117,10 +117,10 @@ def check_te_activation(config) -> None:
     impl = getattr(config, "transformer_impl", "transformer_engine")
     if impl != "transformer_engine":
         raise UnsupportedConfig(f"{ACTIVATION_FLAG} needs --transformer-impl transformer_engine, not {impl}")
-    fn = config.activation_func
-    if fn is not F.silu or not config.gated_linear_unit:
+    fn, glu = getattr(config, "activation_func", F.gelu), getattr(config, "gated_linear_unit", False)  # (its defaults)
+    if fn is not F.silu or not glu:
         name = getattr(fn, "__name__", type(fn).__name__)
-        gated = "gated" if config.gated_linear_unit else "not gated"
+        gated = "gated" if glu else "not gated"
         raise UnsupportedConfig(f"{ACTIVATION_FLAG}: megatron-core maps only SwiGLU (a gated silu) to Transformer "
                                 f"Engine's activation as it is; this model's MLP is {gated}, with {name}")
     for field, plain in (("activation_func_clamp_value", None), ("glu_linear_offset", 0.0)):
