@@ -23,8 +23,7 @@ class ResultsFile:
         if not path:
             return
         if os.path.exists(path) and os.path.getsize(path) > 0:
-            with open(path) as f:
-                lines = [json.loads(line) for line in f if line.strip()]
+            lines = _read(path)
             kept = lines[0].get("identity") if lines else None
             if kept != identity:
                 raise SystemExit(f"error: --results {path} holds results of another {_difference(kept, identity)}: "
@@ -53,6 +52,24 @@ class ResultsFile:
             self.stored[key] = result
             self._append({"key": key, "result": result})
         return result
+
+
+def _read(path: str) -> list[dict]:
+    """The file's records; a last line cut short (the call stopped while it was written) is dropped from the file,
+    its row measured again; a broken line before the last is an error."""
+    with open(path) as f:
+        texts = [line for line in f.read().split("\n") if line.strip()]
+    records = []
+    for i, text in enumerate(texts):
+        try:
+            records.append(json.loads(text))
+        except json.JSONDecodeError as e:
+            if i < len(texts) - 1:
+                raise SystemExit(f"error: --results {path}, line {i + 1}: not JSON ({e.msg}): give a new file") from e
+            with open(path + ".tmp", "w") as f:  # the file without it, so that the next line starts a line
+                f.write("".join(json.dumps(r) + "\n" for r in records))
+            os.replace(path + ".tmp", path)
+    return records
 
 
 def _difference(kept: dict | None, identity: dict) -> str:

@@ -540,6 +540,12 @@ def test_a_results_file_is_tied_to_the_code_and_the_machine(tmp_path, monkeypatc
         with pytest.raises(SystemExit, match=f"holds results of another {part} "):
             ResultsFile(path, {**identity, part: other})
     assert ResultsFile(None, identity).measured("k", lambda: {"s": 2}) == {"s": 2}  # no file: nothing kept
+    with open(path, "a") as f:  # a line cut short by the call's end: dropped, its row measured again
+        f.write('{"key": "8b|ours bf16", "result": {"s"')
+    again = ResultsFile(path, identity)
+    assert again.get("8b|hf") == {"s": 1} and again.get("8b|ours bf16") is None
+    again.measured("8b|ours bf16", lambda: {"s": 3})
+    assert ResultsFile(path, identity).get("8b|ours bf16") == {"s": 3}  # the next line starts a line
     # the hash follows the sources: a changed file is other code
     root = tmp_path / "tree"
     (root / "megatron_patch").mkdir(parents=True)
