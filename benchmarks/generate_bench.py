@@ -20,6 +20,8 @@ out (`dynamic.MLA_GRAPHS`), `--no-mla-gpu` puts DeepSeek's models on the static 
 routers on Transformer Engine's fused top-k (`dynamic.MOE_ROUTER_FUSION`), by default since 2026-12-05 (v2-lite,
 one request: 8.28 -> 6.71 ms a token); `--no-mla-rope` / `--no-moe-router-fusion` leave them out. (`--mla-gpu`,
 `--mla-graphs`, `--mla-rope` and `--moe-router-fusion`, which switched them on before, are still accepted.)
+`--te-swiglu` builds our model with Megatron's `--use-te-activation-func` (Transformer Engine's SwiGLU op, one
+kernel a layer where megatron-core's unfused SwiGLU runs two): the rows read "TE SwiGLU".
 Requests: a JSONL file of prompts (`{"prompt_ids": [...]}`, random token ids, lengths uniform in
 [--min-prompt, --max-prompt], seed 0; written to --prompts if that file does not exist, else read from it);
 a row with N requests takes the file's first N. Greedy, no early stop: every request produces exactly
@@ -221,7 +223,8 @@ def run_shape(a, shape: str, prompts: list[list[int]], timer: Timer, kept: Resul
         hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg), attn_implementation="sdpa",
                                               dtype=dtype).eval()
     sd = checkpoint_state_dict(hf)  # (mixture-of-experts models: through save_pretrained, as released)
-    model = build_model(cfg, impl=a.impl, dtype=dtype, perform_initialization=False)
+    model = build_model(cfg, impl=a.impl, dtype=dtype, perform_initialization=False,
+                        **({"use_te_activation_func": True} if a.te_swiglu else {}))
     load_rank_state_dict(model, hf_to_megatron(make_plan(cfg, Layout(), a.impl), sd.__getitem__, sd.keys(), dtype)
                          [(0, 0, 0)])
     model.eval()
@@ -252,7 +255,8 @@ def run_shape(a, shape: str, prompts: list[list[int]], timer: Timer, kept: Resul
         plan = dynamic.plan_engine(model, batch, a.new, max_requests=n, cuda_graphs=graphs) if moe else None
         path = ("" if plan is None else ", dropless MoE" if plan.moe_dropless else
                 ", padded MoE" if plan.cuda_graphs else "")
-        runs = {engine: (f"ours ({engine} engine{path if engine == 'dynamic' else ''})",
+        swiglu = ", TE SwiGLU" if a.te_swiglu else ""
+        runs = {engine: (f"ours ({engine} engine{path if engine == 'dynamic' else ''}{swiglu})",
                          lambda new=a.new, engine=engine: ours(new, engine)) for engine in a.engines}
         runs["hf"] = ("HF generate", hf_call)
         runs["hf-static-compile"] = ("HF static cache + torch.compile",
@@ -364,6 +368,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="no CUDA graphs of multi-latent attention's decode steps (dynamic.MLA_GRAPHS off)")
     ap.add_argument("--no-mla-rope", action="store_true",
                     help="multi-latent attention's RoPE unfused, as megatron-core does it (decode_rope.MLA_ROPE off)")
+    ap.add_argument("--te-swiglu", action="store_true",
+                    help="our model's MLPs with Transformer Engine's SwiGLU op (--use-te-activation-func: one kernel "
+                         "where megatron-core's unfused SwiGLU runs two; SwiGLU models under --impl "
+                         "transformer_engine). Rows read 'TE SwiGLU'")
     ap.add_argument("--no-moe-router-fusion", action="store_true",
                     help="MoE routers unfused, as megatron-core builds them (dynamic.MOE_ROUTER_FUSION off)")
     # the switches before they were defaults (docs/benchmarks.md): accepted, no effect
@@ -380,6 +388,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a = ap.parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no GPU here (use --shapes tiny --device cpu --impl local --dtype fp32)")
+    if a.te_swiglu and a.impl != "transformer_engine":
+        ap.error("--te-swiglu needs --impl transformer_engine (Transformer Engine's op)")
     if min(a.requests) < 1 or a.new < 2 or not 1 <= a.min_prompt <= a.max_prompt:
         ap.error("--requests >= 1, --new >= 2 and 1 <= --min-prompt <= --max-prompt")
     return a

@@ -90,6 +90,8 @@ def test_one_table_over_several_calls_with_a_results_file(tmp_path, cpu_megatron
     assert second == first  # the same rows, vs_hf included
     with pytest.raises(SystemExit, match="holds results of another settings"):
         bench.main([*args[:-2], "--new", "4", *args[-2:]])
+    with pytest.raises(SystemExit):  # TE's SwiGLU op needs TE's layers: argparse's one line, exit 2
+        bench.parse_args([*args, "--te-swiglu"])
     assert bench.bandwidth(bench.parse_args(args)) == 4.8
     assert bench.bandwidth(bench.parse_args([*args, "--bandwidth-tb-s", "3.35"])) == 3.35
     from machine import hbm_tb_s
