@@ -31,6 +31,14 @@ def _mlp_submodules(mlp):
     return mlp.keywords.get("submodules") if isinstance(mlp, functools.partial) else getattr(mlp, "submodules", None)
 
 
+def _glu_extras(config) -> list[tuple[str, object]]:
+    """The gated MLP's clamp and linear-half offset where `config` sets them (Transformer Engine's activation ops
+    compute neither), as (field, value)."""
+    return [(field, getattr(config, field)) for field, plain in
+            (("activation_func_clamp_value", None), ("glu_linear_offset", 0.0))
+            if getattr(config, field, plain) not in (plain, None)]
+
+
 def _check_activation(config) -> None:
     import torch.nn.functional as F
 
@@ -42,10 +50,9 @@ def _check_activation(config) -> None:
         raise UnsupportedConfig(f"{FLAG}: Transformer Engine's fused MLP does not compute this model's activation "
                                 f"{getattr(fn, '__name__', type(fn).__name__)} as it is (it is exact for silu and "
                                 "relu, gated or not; its GELU is the tanh approximation, taken for exact GELU)")
-    for field, plain in (("activation_func_clamp_value", None), ("glu_linear_offset", 0.0)):
-        if getattr(config, field, plain) not in (plain, None):
-            raise UnsupportedConfig(f"{FLAG}: Transformer Engine's fused MLP ignores {field} "
-                                    f"({getattr(config, field)}) that this model sets")
+    for field, value in _glu_extras(config):
+        raise UnsupportedConfig(f"{FLAG}: Transformer Engine's fused MLP ignores {field} ({value}) that this model "
+                                "sets")
 
 
 def _fused_layer(layer_spec, fused: type, fc1: type, fc2: type):
@@ -123,10 +130,9 @@ def check_te_activation(config) -> None:
         gated = "gated" if glu else "not gated"
         raise UnsupportedConfig(f"{ACTIVATION_FLAG}: megatron-core maps only SwiGLU (a gated silu) to Transformer "
                                 f"Engine's activation as it is; this model's MLP is {gated}, with {name}")
-    for field, plain in (("activation_func_clamp_value", None), ("glu_linear_offset", 0.0)):
-        if getattr(config, field, plain) not in (plain, None):
-            raise UnsupportedConfig(f"{ACTIVATION_FLAG}: megatron-core's MLP skips {field} "
-                                    f"({getattr(config, field)}) that this model sets, with it on")
+    for field, value in _glu_extras(config):
+        raise UnsupportedConfig(f"{ACTIVATION_FLAG}: megatron-core's MLP skips {field} ({value}) that this model "
+                                "sets, with it on")
 
 
 def _with_activation_op(layer_spec, op: type):
