@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from machine import hbm_tb_s  # noqa: E402  (beside this script)
+from machine import bandwidth_tb_s  # noqa: E402  (beside this script)
 
 from megatron_patch.inference.gemv import Norm, config_for, gemv  # noqa: E402
 
@@ -97,7 +97,7 @@ def main(argv=None) -> None:
     layer, output, layers = SHAPES[a.shape]
     torch.manual_seed(0)
     x = torch.randn(a.rows, max(k for _, _, k in layer + [output]), device="cuda", dtype=torch.bfloat16)
-    bw = (a.bandwidth_tb_s or hbm_tb_s(torch.cuda.get_device_name())) * 1e12
+    bw = bandwidth_tb_s(a.bandwidth_tb_s) * 1e12
     norms = {k: Norm("RMSNorm", 1 + 0.1 * torch.randn(k, device="cuda", dtype=torch.bfloat16), None, 1e-5)
              for k in {k for _, _, k in layer + [output]}}
     for name, n, k in layer + [output]:

@@ -57,7 +57,7 @@ import time
 from collections.abc import Iterator
 
 import torch
-from machine import code_hash, hbm_tb_s, machine  # beside this script
+from machine import bandwidth_tb_s, code_hash, machine  # beside this script
 from results_file import ResultsFile
 
 # DeepSeek-V2-Lite's rotary embedding (its config.json): YaRN, as every released DeepSeek MLA model rotates
@@ -289,9 +289,7 @@ def measure_row(a, timer: Timer, shape: str, n: int, name: str, fn, bound_ms: fl
 
 def bandwidth(a) -> float:
     """--bandwidth-tb-s, or the GPU's own (benchmarks/machine.py) where not given."""
-    if a.bandwidth_tb_s:
-        return a.bandwidth_tb_s
-    return hbm_tb_s(torch.cuda.get_device_name() if a.device == "cuda" and torch.cuda.is_available() else None)
+    return bandwidth_tb_s(a.bandwidth_tb_s, a.device == "cuda")
 
 
 def hf_compiled(hf) -> bool:

@@ -51,3 +51,13 @@ def hbm_tb_s(gpu_name: str | None) -> float:
         if gpu_name and key in gpu_name:
             return tb_s
     return DEFAULT_TB_S
+
+
+def bandwidth_tb_s(given: float | None, on_gpu: bool = True) -> float:
+    """The bandwidth a bound divides by: `given` (a script's --bandwidth-tb-s), else this machine's GPU's
+    (`hbm_tb_s`; DEFAULT_TB_S off a GPU)."""
+    if given:
+        return given
+    import torch
+
+    return hbm_tb_s(torch.cuda.get_device_name() if on_gpu and torch.cuda.is_available() else None)
