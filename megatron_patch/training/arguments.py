@@ -30,6 +30,7 @@ _TRAINING_CHOICES = {"hidden_dropout", "attention_dropout", "init_method_std"}
 GROUP_PREFIX = "megatron_patch"  # our argument groups: listed first in --help
 DEFAULT_SPLIT = "99,1,0"
 DEFAULT_EVAL_INTERVAL = 1000  # Megatron-LM's historical default
+FP8_HEAD_IMPLS = ("auto", "transformer_engine", "torch")  # --fp8-output-layer-impl
 
 
 def add_patch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -71,9 +72,14 @@ def add_patch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "throughput profiles; --no-wgrad-fusion-without-apex leaves it out")
     g.add_argument("--fp8-output-layer", action=argparse.BooleanOptionalAction, default=False,
                    help="with --precision fp8, the output layer's GEMMs (logits, their input gradient and the "
-                        "weight gradient) in FP8 too, through Transformer Engine under the run's recipe "
-                        "(megatron-core >= 0.19 does it for MXFP8 only; otherwise it stays bf16); needs untied "
-                        "embeddings and --model-class gpt; an accuracy trade: compare the losses")
+                        "weight gradient) in FP8 too (otherwise they stay bf16); needs --model-class gpt; an "
+                        "accuracy trade: compare the losses. How: --fp8-output-layer-impl")
+    g.add_argument("--fp8-output-layer-impl", choices=FP8_HEAD_IMPLS, default="auto",
+                   help="transformer_engine: Transformer Engine's output layer under the run's recipe "
+                        "(megatron-core >= 0.19 offers it for MXFP8 only; needs untied embeddings); torch: "
+                        "megatron-core's own output layer with its three GEMMs in FP8 by torch._scaled_mm, each "
+                        "tensor scaled as it is cast (current scaling), a tied weight included; auto: "
+                        "transformer_engine where it applies, torch otherwise")
     g.add_argument("--fused-single-qkv-rope", action=argparse.BooleanOptionalAction, default=False,
                    help="RoPE on the fused QKV projection's output in one Transformer Engine kernel, without "
                         "splitting it into query, key and value first (megatron-core's TransformerConfig field, "
@@ -213,17 +219,28 @@ def apply_lean_cross_entropy(args: argparse.Namespace, given: set[str]) -> None:
 
 
 def check_fp8_output_layer(args: argparse.Namespace) -> None:
-    """`--fp8-output-layer` needs fp8 training (Transformer Engine), GPTModel and an output layer of its own:
-    Transformer Engine's output layer takes no weight from the embedding at run time."""
+    """`--fp8-output-layer` needs fp8 training (Transformer Engine) and GPTModel; `--fp8-output-layer-impl auto`
+    becomes the implementation that applies: Transformer Engine's output layer where megatron-core has one to
+    offer (the `fp8_output_layer` patch's versions) and the output layer owns its weight (Transformer Engine's
+    takes no weight from the embedding at run time), megatron-core's own with FP8 GEMMs otherwise
+    (`training.fp8_head`)."""
     if not args.fp8_output_layer:
         return
     if not getattr(args, "fp8", None):
         raise ValueError("--fp8-output-layer needs --precision fp8")
     if getattr(args, "model_class", "gpt") != "gpt":
         raise ValueError(f"--fp8-output-layer needs --model-class gpt, not {args.model_class}")
-    if not args.untie_embeddings_and_output_weights:
-        raise ValueError("--fp8-output-layer needs untied embeddings: this model's output layer shares the word "
-                         "embedding's weight (tie_word_embeddings in its HF config)")
+    from megatron_patch import compat, patches
+
+    te_offered = compat.megatron_core_version() in patches.registry()["fp8_output_layer"].versions
+    impl = getattr(args, "fp8_output_layer_impl", "auto")
+    if impl == "auto":
+        impl = "transformer_engine" if te_offered and args.untie_embeddings_and_output_weights else "torch"
+    if impl == "transformer_engine" and not args.untie_embeddings_and_output_weights:
+        raise ValueError("--fp8-output-layer-impl transformer_engine needs untied embeddings: this model's output "
+                         "layer shares the word embedding's weight (tie_word_embeddings in its HF config); "
+                         "--fp8-output-layer-impl torch takes it")
+    args.fp8_output_layer_impl = impl
 
 
 def check_fused_qkv_rope(args: argparse.Namespace, model: dict) -> None:

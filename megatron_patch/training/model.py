@@ -29,10 +29,16 @@ def transformer_config_from_args(args, hf_config: Any, family: ModelFamily | Non
     # it under Apex's name); without either they accumulate the ordinary way and TE's layers fuse on their own (below)
     fields["gradient_accumulation_fusion"] = args.gradient_accumulation_fusion and _apex_wgrad_available()
     config = family.config_class()(**fields)  # MLA families need MLATransformerConfig
-    if getattr(args, "fp8_output_layer", False):
+    if _fp8_head(args) == "transformer_engine":
         # after __post_init__, which allows it with MXFP8 only (the `fp8_output_layer` patch lifts that in the build)
         config.fp8_output_proj = True
     return config
+
+
+def _fp8_head(args) -> str | None:
+    """The FP8 output layer's implementation (`--fp8-output-layer-impl`, made definite by the parser), or None."""
+    return getattr(args, "fp8_output_layer_impl", "transformer_engine") if getattr(args, "fp8_output_layer", False) \
+        else None
 
 
 def _apex_wgrad_available() -> bool:
@@ -84,13 +90,18 @@ def load_hf_weights(model, hf_dir: str, hf_config: Any, args, vp_stage: int | No
 def check_built(model, args, post_process: bool) -> None:
     """The modules the options asked for are the ones megatron-core built (a seam that moved between releases
     would otherwise train the plain layers silently): `--fp8-output-layer` Transformer Engine's output layer on the
-    last stage, `--use-transformer-engine-op-fuser` no plain `MLP` left as a layer's MLP, `--use-te-activation-func`
+    last stage (`--fp8-output-layer-impl transformer_engine`) or megatron-core's own that `training.fp8_head` takes
+    (`torch`), `--use-transformer-engine-op-fuser` no plain `MLP` left as a layer's MLP, `--use-te-activation-func`
     no MLP (dense, expert or shared expert) left with a plain function as its activation, which megatron-core's MLP
     would apply to fc1's whole output under that option."""
-    if getattr(args, "fp8_output_layer", False) and post_process and \
+    if _fp8_head(args) == "transformer_engine" and post_process and \
             type(model.output_layer).__name__ != "TELMHeadColumnParallelLinear":
         raise ValueError(f"--fp8-output-layer: megatron-core built {type(model.output_layer).__name__} as the "
                          "output layer, not Transformer Engine's TELMHeadColumnParallelLinear")
+    if _fp8_head(args) == "torch" and post_process and \
+            type(model.output_layer).__name__ != "ColumnParallelLinear":
+        raise ValueError(f"--fp8-output-layer-impl torch: megatron-core built {type(model.output_layer).__name__} "
+                         "as the output layer, not its ColumnParallelLinear")
     if getattr(args, "use_transformer_engine_op_fuser", False) and \
             any(type(getattr(m, "mlp", None)).__name__ == "MLP" for m in model.modules()):
         raise ValueError("--use-transformer-engine-op-fuser: megatron-core built its plain MLP, not TEFusedMLP, "
@@ -120,6 +131,10 @@ def make_model_provider(hf_config: Any):
                       **({"vp_stage": vp_stage} if vp_stage is not None else {}))
         fuse_te_wgrad(model, args.gradient_accumulation_fusion)
         check_built(model, args, post_process)
+        if _fp8_head(args) == "torch" and post_process:
+            from megatron_patch.training import fp8_head
+
+            fp8_head.install(model.output_layer)
         lora = getattr(args, "lora", False)
         if args.load_hf and (not args.resuming or lora):  # a LoRA checkpoint holds the adapters, not the base
             load_hf_weights(model, args.load_hf, hf_config, args, vp_stage)

@@ -40,8 +40,8 @@ def run(argv: list[str] | None, datasets_provider, extra_args_provider=None, ind
         patches.apply("lean_cross_entropy")
     if args.wgrad_fusion_without_apex and args.gradient_accumulation_fusion:
         patches.apply("apex_free_wgrad_fusion")
-    if args.fp8_output_layer:
-        patches.require("fp8_output_layer", "--fp8-output-layer")
+    if args.fp8_output_layer and args.fp8_output_layer_impl == "transformer_engine":
+        patches.require("fp8_output_layer", "--fp8-output-layer-impl transformer_engine")
     if model_config is not None:
         hf_config = model_config(hf_config)
     cfg = pretrain_cfg_container_from_args(args, None)

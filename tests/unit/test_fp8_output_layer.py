@@ -12,13 +12,14 @@ from megatron_patch.training.arguments import check_fp8_output_layer
 
 def _args(**over):
     return Namespace(**{"fp8_output_layer": True, "fp8": "hybrid", "model_class": "gpt",
-                        "untie_embeddings_and_output_weights": True, **over})
+                        "untie_embeddings_and_output_weights": True, "fp8_output_layer_impl": "auto", **over})
 
 
 @pytest.mark.parametrize("over, message", [
     ({"fp8": None}, "--fp8-output-layer needs --precision fp8"),
     ({"model_class": "hybrid"}, "--fp8-output-layer needs --model-class gpt, not hybrid"),
-    ({"untie_embeddings_and_output_weights": False}, "--fp8-output-layer needs untied embeddings"),
+    ({"untie_embeddings_and_output_weights": False, "fp8_output_layer_impl": "transformer_engine"},
+     "--fp8-output-layer-impl transformer_engine needs untied embeddings: .* --fp8-output-layer-impl torch takes it"),
 ])
 def test_what_it_needs(over, message):
     with pytest.raises(ValueError, match=message):
@@ -27,10 +28,27 @@ def test_what_it_needs(over, message):
     check_fp8_output_layer(_args(fp8_output_layer=False, **over))  # off: nothing is checked
 
 
+def _te_offered() -> bool:
+    return compat.megatron_core_version() in patches.registry()["fp8_output_layer"].versions
+
+
+@pytest.mark.parametrize("tied, impl, want", [
+    (False, "auto", "te"), (True, "auto", "torch"), (True, "torch", "torch"), (False, "torch", "torch"),
+    (False, "transformer_engine", "transformer_engine")])
+def test_auto_takes_transformer_engine_s_layer_where_it_applies(tied, impl, want):
+    """`auto`: Transformer Engine's output layer for an untied one where megatron-core offers it (>= 0.19), the
+    FP8 GEMMs on megatron-core's own (`training.fp8_head`) for a tied one and on older megatron-core."""
+    args = _args(untie_embeddings_and_output_weights=not tied, fp8_output_layer_impl=impl)
+    check_fp8_output_layer(args)
+    if want == "te":
+        want = "transformer_engine" if _te_offered() else "torch"
+    assert args.fp8_output_layer_impl == want
+
+
 def test_the_patch_lifts_the_mxfp8_condition(monkeypatch):
     """megatron-core builds Transformer Engine's output layer where `is_mxfp8_output_proj_active(config)`: without
     the patch only for the MXFP8 recipe; with it for any fp8 recipe where the config asks (and TE is there)."""
-    if compat.megatron_core_version() not in patches.registry()["fp8_output_layer"].versions:
+    if not _te_offered():
         pytest.skip("megatron-core < 0.19 has no Transformer Engine output layer")
     from megatron.core import fp8_utils
     from megatron.core.models.gpt import gpt_model

@@ -1,0 +1,187 @@
+"""The output layer's three GEMMs in FP8 where Transformer Engine's output layer cannot take them
+(`--fp8-output-layer` with `--fp8-output-layer-impl torch`, which `auto` picks for tied embeddings and for
+megatron-core < 0.19).
+
+megatron-core's FP8 output layer (`TELMHeadColumnParallelLinear`, which the `fp8_output_layer` patch opens to every
+recipe) owns its weight: it refuses an output layer that shares the word embedding's (`tie_word_embeddings`:
+LLaMA-3.2 1B / 3B, Qwen2.5 0.5B-3B, Gemma), where megatron-core hands the embedding's weight to the output layer at
+each forward. The models that tie are the small ones, where the vocabulary's GEMMs weigh most (a fifth of a 1B
+LLaMA's matrix FLOPs). Here megatron-core's own output layer (`ColumnParallelLinear`, the weight handed in or its
+own) keeps everything (tying, its state dict, tensor and sequence parallelism) but its matrix multiply
+(`_forward_impl`, the seam it calls), which becomes:
+
+- forward: the input [tokens, hidden] and the weight [V, hidden] cast to FP8 E4M3, each with one scale of its own
+  measured as it is cast (current scaling: amax over the tensor, scale = the format's largest / amax), one
+  `torch._scaled_mm` with bf16 output;
+- backward: the output's gradient cast to E5M2 the same way (Transformer Engine's hybrid format), the input's
+  gradient = grad_out(E5M2) x weight(E4M3), the weight's = grad_out^T(E5M2) x input(E4M3), both accumulated in
+  fp32 by the GEMM; the weight's gradient is added to its fp32 `main_grad` where megatron-core fuses weight-gradient
+  accumulation (with its dummy-gradient protocol, `zero_out_wgrad` for a tied weight), or returned in the weight's
+  dtype otherwise.
+
+Whatever the run's recipe (delayed scaling included), this layer scales each tensor as it is cast: nothing is kept
+between steps. Shapes the FP8 GEMM does not take (a dimension not a multiple of 16: decode steps, odd vocabularies)
+go through megatron-core's bf16 path unchanged. The casts: one Triton kernel on a CUDA device, torch operations over
+chunks elsewhere (the same arithmetic: fp32 multiply, clamp, round once to nearest even)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+CHUNK_ELEMENTS = 1 << 26  # the torch path's fp32 working set: 256 MB
+BLOCK = 4096
+
+
+@functools.cache
+def _cast_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def cast_kernel(x_ptr, out_ptr, scale_ptr, n, fmax, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < n
+        x = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32) * tl.load(scale_ptr)
+        x = tl.minimum(tl.maximum(x, -fmax), fmax)
+        tl.store(out_ptr + offs, x.to(out_ptr.dtype.element_ty), mask=ok)
+
+    return cast_kernel
+
+
+def _in_kernel(x: torch.Tensor) -> bool:
+    """A CUDA tensor with Triton installed. Not under Triton's interpreter: its fp8 stores drop the carry of a
+    rounding into the exponent (126.5 stored as 64 in E4M3, triton 3.8), so the kernel is checked against the torch
+    path on a GPU (tests/gpu) and the CPU tests take the torch path."""
+    if not x.is_cuda:
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (contiguous) in FP8 `dtype` with one scale measured now: (q, scale_inv), q = round(x * scale) clamped to the
+    format, scale = the format's largest / amax(|x|) (1 where x is all zeros), scale_inv = 1 / scale as fp32 [].
+    No host synchronisation (the scale stays on the device)."""
+    x = x.contiguous()
+    fmax = torch.finfo(dtype).max
+    amax = torch.linalg.vector_norm(x, ord=float("inf"), dtype=torch.float32)
+    # one IEEE division (a Python number over a tensor would be a reciprocal and a product: two roundings)
+    scale = torch.where(amax > 0, torch.full_like(amax, fmax) / amax, torch.ones_like(amax))
+    q = torch.empty(x.shape, dtype=dtype, device=x.device)
+    flat, out = x.view(-1), q.view(-1)
+    if flat.numel() and _in_kernel(x):
+        _cast_kernel()[(_cdiv(flat.numel(), BLOCK),)](flat, out, scale, flat.numel(), fmax, BLOCK=BLOCK)
+    else:
+        for lo in range(0, flat.numel(), CHUNK_ELEMENTS):
+            out[lo:lo + CHUNK_ELEMENTS] = (flat[lo:lo + CHUNK_ELEMENTS].float() * scale).clamp(-fmax, fmax).to(dtype)
+    return q, scale.reciprocal()
+
+
+def _column_major(q: torch.Tensor) -> torch.Tensor:
+    """q [m, n] with the same values laid out column by column (what `torch._scaled_mm` takes as its second
+    operand)."""
+    return q.t().contiguous().t()
+
+
+class _Fp8Linear(torch.autograd.Function):
+    """y = x @ w^T with the three GEMMs in FP8 (the module's docstring); x [..., hidden], w [V, hidden]."""
+
+    @staticmethod
+    def forward(ctx, x, weight, fuse_main_grad: bool):
+        lead, hidden = x.shape[:-1], x.shape[-1]
+        xq, x_inv = quantize(x.reshape(-1, hidden), E4M3)
+        wq, w_inv = quantize(weight, E4M3)
+        y = torch._scaled_mm(xq, wq.t(), scale_a=x_inv, scale_b=w_inv, out_dtype=x.dtype)
+        ctx.save_for_backward(xq, x_inv, wq, w_inv)
+        # the weight itself only for its main_grad (megatron-core keeps it on ctx too: one output layer may serve
+        # several forwards, MTP)
+        ctx.weight, ctx.fuse_main_grad, ctx.lead, ctx.dtype = weight, fuse_main_grad, lead, x.dtype
+        return y.view(*lead, weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        xq, x_inv, wq, w_inv = ctx.saved_tensors
+        weight = ctx.weight
+        gq, g_inv = quantize(grad_y.reshape(-1, weight.shape[0]), E5M2)
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch._scaled_mm(gq, _column_major(wq), scale_a=g_inv, scale_b=w_inv, out_dtype=ctx.dtype)
+            grad_x = grad_x.view(*ctx.lead, weight.shape[1])
+        if ctx.needs_input_grad[1]:
+            gq_t, x_cols = gq.t().contiguous(), _column_major(xq)
+            if ctx.fuse_main_grad and hasattr(weight, "main_grad"):
+                weight.main_grad.add_(torch._scaled_mm(gq_t, x_cols, scale_a=g_inv, scale_b=x_inv,
+                                                       out_dtype=torch.float32))
+                grad_w = _dummy_wgrad(weight, ctx.dtype)
+            else:
+                grad_w = torch._scaled_mm(gq_t, x_cols, scale_a=g_inv, scale_b=x_inv, out_dtype=weight.dtype)
+        return grad_x, grad_w, None
+
+
+def _dummy_wgrad(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """megatron-core's protocol once a weight's gradient went into `main_grad` (its
+    `LinearWithGradAccumulationAndAsyncCommunication`): where its DDP tracks `grad_added_to_main_grad`, a gradient
+    tensor for autograd (zeros where the weight is tied, `zero_out_wgrad`: the DDP hook then adds the embedding's own
+    gradient, which autograd sums into the same tensor, to main_grad) and the flag set; elsewhere none."""
+    if not hasattr(weight, "grad_added_to_main_grad"):
+        return None
+    weight.grad_added_to_main_grad = True
+    make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
+    return make(weight.main_grad.shape, dtype=dtype, device=weight.device)
+
+
+def fp8_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `torch._scaled_mm` takes the three GEMMs: every dimension (tokens, hidden, V) a multiple of 16."""
+    tokens = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return tokens > 0 and all(d % 16 == 0 for d in (tokens, x.shape[-1], weight.shape[0]))
+
+
+def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, fuse_main_grad: bool = False) -> torch.Tensor:
+    """x @ weight^T with its three GEMMs in FP8 (autograd included)."""
+    return _Fp8Linear.apply(x, weight, fuse_main_grad)
+
+
+def _forward_impl(original, input, weight, bias=None, gradient_accumulation_fusion=False, allreduce_dgrad=False,
+                  sequence_parallel=False, grad_output_buffer=None, wgrad_deferral_limit=None, tp_group=None,
+                  **rest):
+    """`ColumnParallelLinear._forward_impl`'s signature; megatron-core's own for what FP8 does not take."""
+    if grad_output_buffer is not None or rest.get("gtp_remat_size", 1) > 1 or not fp8_takes(input, weight):
+        return original(input=input, weight=weight, bias=bias,
+                        gradient_accumulation_fusion=gradient_accumulation_fusion, allreduce_dgrad=allreduce_dgrad,
+                        sequence_parallel=sequence_parallel, grad_output_buffer=grad_output_buffer,
+                        wgrad_deferral_limit=wgrad_deferral_limit, tp_group=tp_group, **rest)
+    from megatron.core.tensor_parallel.mappings import (
+        copy_to_tensor_model_parallel_region,
+        gather_from_sequence_parallel_region,
+    )
+
+    # the communication megatron-core's linear does inside its autograd function, as its autograd mappings:
+    # sequence parallel gathers the input (its gradient reduce-scattered), otherwise the input's gradient is
+    # all-reduced over the tensor-parallel group
+    if sequence_parallel:
+        input = gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True, group=tp_group)
+    elif allreduce_dgrad:
+        input = copy_to_tensor_model_parallel_region(input, group=tp_group)
+    out = fp8_matmul(input, weight, fuse_main_grad=gradient_accumulation_fusion and weight.requires_grad)
+    return out if bias is None else out + bias
+
+
+def install(output_layer) -> None:
+    """megatron-core's output layer (`ColumnParallelLinear`) with its matrix multiply in FP8 (this instance only);
+    `installed` says so afterwards."""
+    output_layer._forward_impl = functools.partial(_forward_impl, output_layer._forward_impl)
+    output_layer.fp8_head = True
+
+
+def installed(output_layer) -> bool:
+    return bool(getattr(output_layer, "fp8_head", False))
