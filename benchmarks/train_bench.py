@@ -61,6 +61,8 @@ SHAPES = {  # LLaMA-3 widths; "8b" keeps 8 of its 32 layers so one GPU holds mod
     "8b-full": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                     num_key_value_heads=8, seq=8192, mbs=1),
 }
+# Llama-3.2-1B as it is: the output layer shares the word embedding's weight (torchtitan's Llama-3 has no tied form)
+SHAPES["1b-tied"] = {**SHAPES["1b"], "tied": True}
 VOCAB = 128256
 GRAPHS = ["--cuda-graph-impl"]
 
@@ -120,6 +122,9 @@ RUNS: dict[str, tuple[str, str, list[str], dict[str, str]]] = {
     "fp8 -wgrad-fusion": ("fp8", "default", ["--no-wgrad-fusion-without-apex"], {}),
     # the output layer's three GEMMs in FP8 as well (22% of the fp8 step in bf16 in the profile of 2026-12-05)
     "fp8 +fp8-head": ("fp8", "default", ["--fp8-output-layer"], {}),
+    # the same three GEMMs by torch._scaled_mm on megatron-core's own output layer (`training.fp8_head`): what
+    # `--fp8-output-layer` does for tied embeddings (the `1b-tied` shape), here against TE's on an untied one
+    "fp8 +fp8-head-torch": ("fp8", "default", ["--fp8-output-layer", "--fp8-output-layer-impl", "torch"], {}),
     "fp8 +fused-mlp": ("fp8", "default", ["--use-transformer-engine-op-fuser"], {}),
     "fp8 +qkv-rope": ("fp8", "default", ["--fused-single-qkv-rope"], {}),
     "fp8 +te-swiglu": ("fp8", "default", ["--use-te-activation-func"], {}),
@@ -145,7 +150,7 @@ LOSS_REFERENCE: dict[str, str | None] = {
     "bf16 +hybrid": "bf16", "bf16 +lora": None, "fp8 +lora": None,
     **{f"{p} {lever}": p for p in ("bf16", "fp8")
        for lever in ("-wgrad-fusion", "+fused-mlp", "+qkv-rope", "+te-swiglu", "+levers")},
-    "fp8 +fp8-head": "fp8"}
+    "fp8 +fp8-head": "fp8", "fp8 +fp8-head-torch": "fp8"}
 
 
 def loss_reference(run: str) -> str | None:
@@ -181,7 +186,8 @@ def config(shape: str | dict) -> dict:
             "hidden_size": s["hidden_size"], "intermediate_size": s["intermediate_size"],
             "num_hidden_layers": s["num_hidden_layers"], "num_attention_heads": s["num_attention_heads"],
             "num_key_value_heads": s["num_key_value_heads"], "max_position_embeddings": s["seq"],
-            "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False, "hidden_act": "silu",
+            "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": bool(s.get("tied")),
+            "hidden_act": "silu",
             **experts}
 
 
@@ -493,7 +499,7 @@ def main() -> None:
                 for run in a.runs:
                     print(" ".join(our_command(shape, run, a.iters, a.micro_batches, a.gpus,
                                                os.path.join(tmp, f"{shape}.json"))[0]))
-                for name in a.torchtitan:
+                for name in a.torchtitan if not SHAPES[shape].get("tied") else ():
                     print(shlex.join(titan_peer.command(SHAPES[shape], VOCAB, name, a.iters, a.micro_batches)))
             return
         meta = versions()
@@ -511,6 +517,9 @@ def main() -> None:
             for name in a.hf:
                 add(shape_rows, name, hf, shape, name, a.iters, a.micro_batches)
             for name in a.torchtitan:
+                if SHAPES[shape].get("tied"):
+                    shape_rows.add(name, {"error": "torchtitan's Llama-3 model has no tied embeddings"})
+                    continue
                 add(shape_rows, name, titan_peer.run, SHAPES[shape], VOCAB, name, a.iters, a.micro_batches)
             runs = list(a.runs)
             if a.losses:  # the references of the loss comparison, measured first

@@ -165,6 +165,13 @@ def test_torchtitan_rows_take_the_same_model_and_batches():
     assert (titan_peer.ffn_hidden(4096, 1024, 1.3), titan_peer.ffn_hidden(2048, 256, 1.5)) == (14336, 8192)
     assert titan_peer.ffn_hidden(256, 256, None) == 768
     for shape, s in tb.SHAPES.items():
+        if s.get("tied"):  # Llama-3.2-1B as it is: HF's model with one weight for the embedding and the output
+            with torch.device("meta"):
+                hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**tb.config(shape)))
+            untied = shape.removesuffix("-tied")
+            assert sum(p.numel() for p in hf.parameters()) == TITAN_PARAMS[untied] - tb.VOCAB * s["hidden_size"]
+            assert {k: v for k, v in s.items() if k != "tied"} == tb.SHAPES[untied]
+            continue
         a = titan_peer.model_args(s, tb.VOCAB)
         ffn = titan_peer.ffn_hidden(a["dim"], a["multiple_of"], a["ffn_dim_multiplier"])
         kv = a["n_kv_heads"] * a["dim"] // a["n_heads"]
@@ -554,3 +561,17 @@ def test_a_results_file_is_tied_to_the_code_and_the_machine(tmp_path, monkeypatc
     before = code_hash(str(root))
     (root / "megatron_patch" / "a.py").write_text("x = 2\n")
     assert code_hash(str(root)) != before
+
+
+def test_the_tied_1b_shape_and_the_fp8_head_rows():
+    """`1b-tied` is Llama-3.2-1B as released (one weight for the embedding and the output layer), where
+    `--fp8-output-layer` takes megatron-core's own output layer (`training.fp8_head`); torchtitan's Llama-3 has no
+    tied form, so its rows are left out (an error row in a measured table). `fp8 +fp8-head-torch` is the same
+    implementation on an untied shape, against Transformer Engine's (`fp8 +fp8-head`), both compared with fp8."""
+    import train_bench as tb
+
+    assert tb.config("1b-tied")["tie_word_embeddings"] is True and tb.config("1b")["tie_word_embeddings"] is False
+    commands = _dry_run("--shapes", "1b-tied", "--runs", "fp8 +fp8-head", "--torchtitan", "torchtitan")
+    assert len(commands) == 1 and "--fp8-output-layer" in commands[0]
+    assert tb.RUNS["fp8 +fp8-head-torch"][2] == ["--fp8-output-layer", "--fp8-output-layer-impl", "torch"]
+    assert tb.loss_reference("fp8 +fp8-head-torch") == tb.loss_reference("fp8 +fp8-head") == "fp8"
