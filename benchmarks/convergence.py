@@ -69,8 +69,9 @@ RUNS: dict[str, tuple[str, list[str]]] = {
     "1b-fp8-delayed": ("1b", ["--precision", "fp8", "--fp8-recipe", "delayed"]),
     "moe-bf16": ("moe", ["--precision", "bf16"]),
     "moe-fp8-delayed": ("moe", ["--precision", "fp8", "--fp8-recipe", "delayed"]),
-    # the output layer's GEMMs in FP8 too (`--fp8-output-layer`, issue 28's largest lever; it needs untied
-    # embeddings, which of these shapes only the Mixtral one has): read against moe-fp8-delayed and moe-bf16
+    # the output layer's GEMMs in FP8 too (`--fp8-output-layer`, issue 28's largest lever; Transformer Engine's
+    # output layer needs untied embeddings, which of these shapes only the Mixtral one has; the tied ones take
+    # `training.fp8_head`, another implementation): read against moe-fp8-delayed and moe-bf16
     "moe-fp8-head": ("moe", ["--precision", "fp8", "--fp8-recipe", "delayed", "--fp8-output-layer"]),
 }
 SEQ, MBS, GBS = 2048, 8, 32  # 65,536 tokens per iteration
