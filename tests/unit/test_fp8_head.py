@@ -37,9 +37,10 @@ def test_quantize_rounds_each_scaled_value_to_the_nearest_fp8_value(dtype):
     x = torch.randn(64, 48, dtype=torch.bfloat16) * 3
     q, inv = quantize(x, dtype)
     assert q.dtype == dtype and q.shape == x.shape and inv.dtype == torch.float32 and inv.dim() == 0
-    scale = 1 / inv.double()
-    assert scale.item() == pytest.approx(torch.finfo(dtype).max / x.float().abs().max().item(), rel=1e-6)
-    scaled = (x.double() * scale).float().double()
+    # the scale in fp32 as documented: the format's largest over amax, one division; scale_inv its reciprocal
+    scale = torch.tensor(torch.finfo(dtype).max) / x.float().abs().max()
+    assert torch.equal(inv, scale.reciprocal())
+    scaled = (x.float() * scale).double()  # the fp32 product the cast rounds
     grid = _grid(dtype).double()
     nearest = grid[(scaled.reshape(-1, 1) - grid).abs().argmin(dim=1)].reshape(x.shape)
     distance = (scaled - nearest).abs()
