@@ -118,13 +118,12 @@ class _Fp8Linear(torch.autograd.Function):
             grad_x = torch._scaled_mm(gq, _column_major(wq), scale_a=g_inv, scale_b=w_inv, out_dtype=ctx.dtype)
             grad_x = grad_x.view(*ctx.lead, weight.shape[1])
         if ctx.needs_input_grad[1]:
-            gq_t, x_cols = gq.t().contiguous(), _column_major(xq)
-            if ctx.fuse_main_grad and hasattr(weight, "main_grad"):
-                weight.main_grad.add_(torch._scaled_mm(gq_t, x_cols, scale_a=g_inv, scale_b=x_inv,
-                                                       out_dtype=torch.float32))
+            fused = ctx.fuse_main_grad and hasattr(weight, "main_grad")
+            grad_w = torch._scaled_mm(gq.t().contiguous(), _column_major(xq), scale_a=g_inv, scale_b=x_inv,
+                                      out_dtype=torch.float32 if fused else weight.dtype)
+            if fused:
+                weight.main_grad.add_(grad_w)
                 grad_w = _dummy_wgrad(weight, ctx.dtype)
-            else:
-                grad_w = torch._scaled_mm(gq_t, x_cols, scale_a=g_inv, scale_b=x_inv, out_dtype=weight.dtype)
         return grad_x, grad_w, None
 
 
