@@ -131,12 +131,18 @@ def _dummy_wgrad(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | Non
     """megatron-core's protocol once a weight's gradient went into `main_grad` (its
     `LinearWithGradAccumulationAndAsyncCommunication`): where its DDP tracks `grad_added_to_main_grad`, a gradient
     tensor for autograd (zeros where the weight is tied, `zero_out_wgrad`: the DDP hook then adds the embedding's own
-    gradient, which autograd sums into the same tensor, to main_grad) and the flag set; elsewhere none."""
+    gradient, which autograd sums into the same tensor, to main_grad) and the flag set; elsewhere none. The tensor
+    is Transformer Engine's one reused dummy buffer (`get_dummy_wgrad`, as megatron-core takes it) where TE is
+    installed, not a fresh [V, hidden] allocation each backward."""
     if not hasattr(weight, "grad_added_to_main_grad"):
         return None
     weight.grad_added_to_main_grad = True
-    make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
-    return make(weight.main_grad.shape, dtype=dtype, device=weight.device)
+    zero = getattr(weight, "zero_out_wgrad", False)
+    try:
+        from transformer_engine.pytorch.module.base import get_dummy_wgrad
+    except ImportError:
+        return (torch.zeros if zero else torch.empty)(weight.main_grad.shape, dtype=dtype, device=weight.device)
+    return get_dummy_wgrad(list(weight.main_grad.shape), dtype, zero=zero)
 
 
 def fp8_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
