@@ -14,10 +14,11 @@ own) keeps everything (tying, its state dict, tensor and sequence parallelism) b
   measured as it is cast (current scaling: amax over the tensor, scale = the format's largest / amax), one
   `torch._scaled_mm` with bf16 output;
 - backward: the output's gradient cast to E5M2 the same way (Transformer Engine's hybrid format), the input's
-  gradient = grad_out(E5M2) x weight(E4M3), the weight's = grad_out^T(E5M2) x input(E4M3), both accumulated in
-  fp32 by the GEMM; the weight's gradient is added to its fp32 `main_grad` where megatron-core fuses weight-gradient
-  accumulation (with its dummy-gradient protocol, `zero_out_wgrad` for a tied weight), or returned in the weight's
-  dtype otherwise.
+  gradient = grad_out(E5M2) x weight(E4M3), the weight's = grad_out^T(E5M2) x input(E4M3) (the GEMMs'
+  partial sums promoted to fp32 at intervals, `use_fast_accum=False`: Hopper's FP8 tensor cores keep about 14 bits
+  as they add, 2^-12.7 of the sum of the products' magnitudes at most on an H100); the weight's gradient is added
+  to its fp32 `main_grad` where megatron-core fuses weight-gradient accumulation (with its dummy-gradient protocol,
+  `zero_out_wgrad` for a tied weight), or returned in the weight's dtype otherwise.
 
 Whatever the run's recipe (delayed scaling included), this layer scales each tensor as it is cast: nothing is kept
 between steps. Shapes the FP8 GEMM does not take (a dimension not a multiple of 16: decode steps, odd vocabularies)
