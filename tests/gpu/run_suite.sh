@@ -6,7 +6,8 @@
 #   bash tests/gpu/run_suite.sh smoke    # every GPU path once: a TE family vs HF, the converter's verify, generation
 #                                        # on both engines, 5 iterations bf16 and fp8, a LoRA run, PPO and GRPO steps,
 #                                        # evaluate and an lm-eval run, HybridModel under TE (~4 min on one H200 on
-#                                        # 2026-12-05 morning; ~10 min by its evening, MLA and MoE graph tests added).
+#                                        # 2026-12-05 morning; ~10 min by its evening, MLA and MoE graph tests added;
+#                                        # past one call's 600 s on 2026-12-06: run it as the three parts below).
 #                                        # Any change to code on a GPU path runs it before it lands.
 #   bash tests/gpu/run_suite.sh smoke-gen    # the smoke in three calls: its generation tests (test_generate_te.py,
 #                                            # ~100 s on one H100 on 2026-12-06),
