@@ -1,18 +1,25 @@
 """Data builders shared by the CPU tests (fixtures over them live in tests/conftest.py): preference rows
 with a learnable rule, chats with a learnable rule, the arguments of a tiny CPU pretraining run and the
 bundled corpus as an indexed dataset; the rotary-embedding table and float64 reference of the decode RoPE kernel's
-tests (CPU and GPU). Tests import these, never each other."""
+tests (CPU and GPU); running a file's Triton kernel tests under Triton's interpreter. Tests import these, never each
+other."""
 
 from __future__ import annotations
 
 import gzip
 import os
+import subprocess
+import sys
 
+import pytest
 import torch
 
 from megatron_patch.testing import TINY_LLAMA
 from megatron_patch.tokenizer import CORPUS, TINY_TOKENIZER
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Triton reads TRITON_INTERPRET when it is imported: kernel tests run in a process that set it first
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 GOOD = "yes right good fine true correct".split()
 BAD = "no wrong bad poor false broken".split()
 TOPICS = "the module returns a list of values when the function is called".split()
@@ -126,3 +133,17 @@ def count_calls(monkeypatch, owner, name: str) -> list:
     calls, original = [], getattr(owner, name)
     monkeypatch.setattr(owner, name, lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs))
     return calls
+
+
+def run_interpreted(test_file: str, keywords: str) -> None:
+    """`test_file`'s tests matching `keywords` (pytest -k) in a process with TRITON_INTERPRET=1: all pass, none
+    skipped (those tests skip themselves unless INTERPRETED). Skips where Triton is not installed, and in that
+    process itself."""
+    pytest.importorskip("triton")
+    if INTERPRETED:
+        pytest.skip("this is that process")
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", keywords,
+                        os.path.abspath(test_file)], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": ROOT})
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+    assert " passed" in p.stdout and "skipped" not in p.stdout.splitlines()[-1], p.stdout[-500:]

@@ -22,8 +22,10 @@ own) keeps everything (tying, its state dict, tensor and sequence parallelism) b
 
 Whatever the run's recipe (delayed scaling included), this layer scales each tensor as it is cast: nothing is kept
 between steps. Shapes the FP8 GEMM does not take (a dimension not a multiple of 16: decode steps, odd vocabularies)
-go through megatron-core's bf16 path unchanged. The casts: one Triton kernel on a CUDA device, torch operations over
-chunks elsewhere (the same arithmetic: fp32 multiply, clamp, round once to nearest even)."""
+go through megatron-core's bf16 path unchanged. The casts: one Triton kernel on a CUDA device, which writes each
+tensor in its own layout and in the transposed one the backward's GEMMs take (x^T, w^T, grad_out^T: Hopper's FP8
+GEMM wants the reduced dimension contiguous in both operands) in the same pass; torch operations over chunks
+elsewhere (the same arithmetic: fp32 multiply, clamp, round once to nearest even)."""
 
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ import torch
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 CHUNK_ELEMENTS = 1 << 26  # the torch path's fp32 working set: 256 MB
-BLOCK = 4096
+TILE = 64  # the kernel's tile: TILE x TILE elements a program
 
 
 @functools.cache
@@ -42,12 +44,18 @@ def _cast_kernel():
     import triton.language as tl
 
     @triton.jit
-    def cast_kernel(x_ptr, out_ptr, scale_ptr, n, fmax, BLOCK: tl.constexpr):
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        ok = offs < n
-        x = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32) * tl.load(scale_ptr)
-        x = tl.minimum(tl.maximum(x, -fmax), fmax)
-        tl.store(out_ptr + offs, x.to(out_ptr.dtype.element_ty), mask=ok)
+    def cast_kernel(x_ptr, out_ptr, out_t_ptr, scale_ptr, m, n, fmax, TILE: tl.constexpr, TRANSPOSE: tl.constexpr):
+        # one tile of x [m, n]: cast, stored in x's layout and, with TRANSPOSE, in the transposed one [n, m]
+        tiles_n = tl.cdiv(n, TILE)
+        pid = tl.program_id(0).to(tl.int64)
+        rows = (pid // tiles_n) * TILE + tl.arange(0, TILE)
+        cols = (pid % tiles_n) * TILE + tl.arange(0, TILE)
+        ok = (rows[:, None] < m) & (cols[None, :] < n)
+        x = tl.load(x_ptr + rows[:, None] * n + cols[None, :], mask=ok, other=0.0).to(tl.float32) * tl.load(scale_ptr)
+        q = tl.minimum(tl.maximum(x, -fmax), fmax).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + rows[:, None] * n + cols[None, :], q, mask=ok)
+        if TRANSPOSE:
+            tl.store(out_t_ptr + cols[:, None] * m + rows[None, :], tl.trans(q), mask=tl.trans(ok))
 
     return cast_kernel
 
@@ -69,29 +77,31 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (contiguous) in FP8 `dtype` with one scale measured now: (q, scale_inv), q = round(x * scale) clamped to the
-    format, scale = the format's largest / amax(|x|) (1 where x is all zeros), scale_inv = 1 / scale as fp32 [].
-    No host synchronisation (the scale stays on the device)."""
+def quantize(x: torch.Tensor, dtype: torch.dtype, transpose: bool = False):
+    """x (2-D) in FP8 `dtype` with one scale measured now: (q, scale_inv), q = round(x * scale) clamped to the
+    format, scale = the format's largest / amax(|x|) (1 where x is all zeros), scale_inv = 1 / scale as fp32 [];
+    with `transpose`, (q, scale_inv, q_t), q_t = q^T laid out row by row ([n, m], contiguous: Hopper's FP8 GEMM takes
+    each operand with the reduced dimension contiguous, so the backward's GEMMs need the transposed layouts), written
+    by the same pass over x where the kernel runs (as Transformer Engine's cast-transpose) rather than by a strided
+    copy of q. No host synchronisation (the scale stays on the device)."""
     x = x.contiguous()
     fmax = torch.finfo(dtype).max
     amax = torch.linalg.vector_norm(x, ord=float("inf"), dtype=torch.float32)
     # one IEEE division (a Python number over a tensor would be a reciprocal and a product: two roundings)
     scale = torch.where(amax > 0, torch.full_like(amax, fmax) / amax, torch.ones_like(amax))
-    q = torch.empty(x.shape, dtype=dtype, device=x.device)
-    flat, out = x.view(-1), q.view(-1)
-    if flat.numel() and _in_kernel(x):
-        _cast_kernel()[(_cdiv(flat.numel(), BLOCK),)](flat, out, scale, flat.numel(), fmax, BLOCK=BLOCK)
+    m, n = x.shape
+    q = torch.empty((m, n), dtype=dtype, device=x.device)
+    q_t = torch.empty((n, m), dtype=dtype, device=x.device) if transpose else None
+    if x.numel() and _in_kernel(x):
+        _cast_kernel()[(_cdiv(m, TILE) * _cdiv(n, TILE),)](x, q, q if q_t is None else q_t, scale, m, n, fmax,
+                                                            TILE=TILE, TRANSPOSE=transpose)
     else:
+        flat, out = x.view(-1), q.view(-1)
         for lo in range(0, flat.numel(), CHUNK_ELEMENTS):
             out[lo:lo + CHUNK_ELEMENTS] = (flat[lo:lo + CHUNK_ELEMENTS].float() * scale).clamp(-fmax, fmax).to(dtype)
-    return q, scale.reciprocal()
-
-
-def _column_major(q: torch.Tensor) -> torch.Tensor:
-    """q [m, n] with the same values laid out column by column (what `torch._scaled_mm` takes as its second
-    operand)."""
-    return q.t().contiguous().t()
+        if transpose:
+            q_t.copy_(q.t())
+    return (q, scale.reciprocal()) if not transpose else (q, scale.reciprocal(), q_t)
 
 
 class _Fp8Linear(torch.autograd.Function):
@@ -100,10 +110,11 @@ class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, fuse_main_grad: bool):
         lead, hidden = x.shape[:-1], x.shape[-1]
-        xq, x_inv = quantize(x.reshape(-1, hidden), E4M3)
-        wq, w_inv = quantize(weight, E4M3)
+        # the backward takes both in the transposed layout (x^T for the weight's gradient, w^T for the input's)
+        xq, x_inv, xq_t = quantize(x.reshape(-1, hidden), E4M3, transpose=True)
+        wq, w_inv, wq_t = quantize(weight, E4M3, transpose=True)
         y = torch._scaled_mm(xq, wq.t(), scale_a=x_inv, scale_b=w_inv, out_dtype=x.dtype)
-        ctx.save_for_backward(xq, x_inv, wq, w_inv)
+        ctx.save_for_backward(xq_t, x_inv, wq_t, w_inv)
         # the weight itself only for its main_grad (megatron-core keeps it on ctx too: one output layer may serve
         # several forwards, MTP)
         ctx.weight, ctx.fuse_main_grad, ctx.lead, ctx.dtype = weight, fuse_main_grad, lead, x.dtype
@@ -111,16 +122,18 @@ class _Fp8Linear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
-        xq, x_inv, wq, w_inv = ctx.saved_tensors
+        xq_t, x_inv, wq_t, w_inv = ctx.saved_tensors
         weight = ctx.weight
-        gq, g_inv = quantize(grad_y.reshape(-1, weight.shape[0]), E5M2)
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        cast = quantize(grad_y.reshape(-1, weight.shape[0]), E5M2, transpose=need_w)
+        gq, g_inv = cast[0], cast[1]
         grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:
-            grad_x = torch._scaled_mm(gq, _column_major(wq), scale_a=g_inv, scale_b=w_inv, out_dtype=ctx.dtype)
+        if need_x:  # [tokens, V] x [V, hidden], the second operand column by column (w^T's rows)
+            grad_x = torch._scaled_mm(gq, wq_t.t(), scale_a=g_inv, scale_b=w_inv, out_dtype=ctx.dtype)
             grad_x = grad_x.view(*ctx.lead, weight.shape[1])
-        if ctx.needs_input_grad[1]:
+        if need_w:  # [V, tokens] x [tokens, hidden]: g^T's rows, x^T's rows as the second operand's columns
             fused = ctx.fuse_main_grad and hasattr(weight, "main_grad")
-            grad_w = torch._scaled_mm(gq.t().contiguous(), _column_major(xq), scale_a=g_inv, scale_b=x_inv,
+            grad_w = torch._scaled_mm(cast[2], xq_t.t(), scale_a=g_inv, scale_b=x_inv,
                                       out_dtype=torch.float32 if fused else weight.dtype)
             if fused:
                 weight.main_grad.add_(grad_w)

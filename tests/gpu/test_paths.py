@@ -321,14 +321,14 @@ def test_training_levers_train_like_the_default(tmp_path):
 
 @pytest.mark.smoke
 def test_fp8_head_kernels_and_a_tied_model(tmp_path):
-    """`training.fp8_head` on the GPU: its Triton cast gives the torch path's FP8 bytes bit for bit (values whose
-    rounding carries into the exponent included: the CPU tests cannot run the kernel, Triton's interpreter drops
-    that carry); the CUDA `torch._scaled_mm` GEMMs are the products of their dequantized operands: within one
-    bf16 rounding (2^-8 relative) plus 2^-11 of the sum of the products' magnitudes, the accumulation of Hopper's
-    FP8 tensor cores, which keep about 14 bits, not fp32's 24, as they add (DeepSeek-V3's report, section 3.3.2;
-    measured on an H100 on 2026-12-06: 2^-12.7 of that sum at most, fp32 output, `use_fast_accum=False` as here;
-    the first bound, fp32's 2^-23 per addition, failed at 3x); and a tied-embedding
-    model (`tie_word_embeddings`, which Transformer Engine's output layer refuses) trains with
+    """`training.fp8_head` on the GPU: its Triton cast gives the torch path's FP8 bytes bit for bit, in x's layout
+    and in the transposed one (values whose rounding carries into the exponent included: the CPU tests cannot run
+    the kernel on those, Triton's interpreter drops that carry); the CUDA `torch._scaled_mm` GEMMs are the products
+    of their dequantized operands: within one bf16 rounding (2^-8 relative) plus 2^-11 of the sum of the products'
+    magnitudes, the accumulation of Hopper's FP8 tensor cores, which keep about 14 bits, not fp32's 24, as they add
+    (DeepSeek-V3's report, section 3.3.2; measured on an H100 on 2026-12-06: 2^-12.7 of that sum at most, fp32
+    output, `use_fast_accum=False` as here; the first bound, fp32's 2^-23 per addition, failed at 3x); and a
+    tied-embedding model (`tie_word_embeddings`, which Transformer Engine's output layer refuses) trains with
     `--fp8-output-layer` like fp8 without it: the first loss within 0.02, all within twice fp8's own distance
     from bf16 (at least 0.05), as the lever test bounds the untied one."""
     import torch
@@ -339,10 +339,13 @@ def test_fp8_head_kernels_and_a_tied_model(tmp_path):
     torch.manual_seed(0)
     x = torch.randn(1000, 2049, device="cuda", dtype=torch.bfloat16) * 7  # many round up into the next binade
     for dtype in (fp8_head.E4M3, fp8_head.E5M2):
-        kernel = fp8_head.quantize(x, dtype)
-        torch_path = fp8_head.quantize(x.cpu(), dtype)
-        assert torch.equal(kernel[0].cpu().view(torch.uint8), torch_path[0].view(torch.uint8)), dtype
-        assert torch.equal(kernel[1].cpu(), torch_path[1]), dtype
+        for transpose in (False, True):  # the kernel's transposed store too ([2049, 1000], edge tiles masked)
+            kernel = fp8_head.quantize(x, dtype, transpose=transpose)
+            torch_path = fp8_head.quantize(x.cpu(), dtype, transpose=transpose)
+            assert torch.equal(kernel[0].cpu().view(torch.uint8), torch_path[0].view(torch.uint8)), dtype
+            assert torch.equal(kernel[1].cpu(), torch_path[1]), dtype
+            if transpose:
+                assert torch.equal(kernel[2].cpu().view(torch.uint8), torch_path[2].view(torch.uint8)), dtype
     a = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = (torch.randn(384, 256, device="cuda") * 0.05).bfloat16().requires_grad_()
     g = (torch.randn(512, 384, device="cuda") * 1e-3).bfloat16()

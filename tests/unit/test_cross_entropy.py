@@ -3,9 +3,6 @@ language-model loss and its gradient against float64 truth and megatron-core's o
 the vocabulary split over two ranks, in fp32 and bf16, through the torch path (row chunks) and the Triton kernels
 (under Triton's interpreter); what each keeps for the backward; the patch's seam."""
 
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -13,9 +10,8 @@ import torch
 from megatron_patch import patches
 from megatron_patch.training import cross_entropy as ce
 from tests import _cpu
+from tests.helpers import INTERPRETED, run_interpreted
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 S, B, V = 6, 3, 1000  # V: not a multiple of the kernels' block, odd halves per rank (500) on purpose
 
 
@@ -134,14 +130,7 @@ def test_the_patch_binds_megatron_cores_fused_call_and_undoes_it():
 
 
 def test_the_kernel_tests_under_triton_interpreter():
-    pytest.importorskip("triton")
-    if INTERPRETED:
-        pytest.skip("this is that process")
-    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "kernels_",
-                        os.path.abspath(__file__)], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": ROOT})
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
-    assert " passed" in p.stdout and "skipped" not in p.stdout.splitlines()[-1], p.stdout[-500:]
+    run_interpreted(__file__, "kernels_")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

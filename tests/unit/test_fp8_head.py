@@ -5,11 +5,13 @@ Each GEMM is checked against the exact product of its dequantized FP8 operands (
 GEMM's fp32 accumulation and one rounding of the output, so the tolerance is the output dtype's half ulp plus the
 fp32 accumulation's bound."""
 
+
 import pytest
 import torch
 
 from megatron_patch.training import fp8_head
 from megatron_patch.training.fp8_head import E4M3, E5M2, fp8_matmul, quantize
+from tests.helpers import INTERPRETED, run_interpreted
 
 pytestmark = pytest.mark.skipif(not hasattr(torch, "float8_e4m3fn"), reason="no FP8 dtypes in this torch")
 
@@ -62,6 +64,44 @@ def test_quantize_of_zeros_and_in_chunks():
     finally:
         fp8_head.CHUNK_ELEMENTS = fp8_head_chunk
     assert torch.equal(whole[0].view(torch.uint8), chunked[0].view(torch.uint8)) and torch.equal(whole[1], chunked[1])
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_kernel_layouts_equal_the_torch_path(dtype, monkeypatch):
+    """The Triton cast (the GPU's, here under the interpreter) writes the torch path's bytes in x's layout and in
+    the transposed one, edge tiles on both dimensions masked ([70, 131] against 64-element tiles). Values on the
+    format's grid with a power-of-two scale, so no rounding happens: Triton's interpreter drops the carry of a
+    rounding into the exponent (the module's note), which the GPU test checks on rounded values instead."""
+    if not INTERPRETED:
+        pytest.skip("run by test_the_kernel_tests_under_triton_interpreter (TRITON_INTERPRET=1)")
+    grid = _grid(dtype)
+    grid = grid[grid.abs() <= 448]  # 448: E4M3's largest, a power-of-two ratio to E5M2's (57344 = 448 x 128)
+    x = grid[torch.randint(0, len(grid), (70, 131), generator=torch.Generator().manual_seed(0))]
+    x[0, 0] = 448.0
+    x = x.bfloat16()
+    monkeypatch.setattr(fp8_head, "_in_kernel", lambda t: True)
+    kernel = quantize(x, dtype, transpose=True), quantize(x, dtype)
+    monkeypatch.setattr(fp8_head, "_in_kernel", lambda t: False)
+    ref = quantize(x, dtype, transpose=True)
+    assert not bool(torch.isnan(ref[0].float()).any()) and ref[0].float().abs().max().item() == torch.finfo(dtype).max
+    for got in kernel:
+        assert torch.equal(got[0].view(torch.uint8), ref[0].view(torch.uint8)) and torch.equal(got[1], ref[1])
+    assert torch.equal(kernel[0][2].view(torch.uint8), ref[2].view(torch.uint8))
+
+
+def test_the_kernel_tests_under_triton_interpreter():
+    run_interpreted(__file__, "kernel_layouts")
+
+
+def test_quantize_with_the_transposed_layout():
+    """`transpose=True` adds q^T laid out row by row (what the backward's GEMMs take): the same bytes as q, the
+    same scale, nothing else changed."""
+    x = torch.randn(33, 17, dtype=torch.bfloat16) * 5
+    q, inv = quantize(x, E4M3)
+    q2, inv2, q_t = quantize(x, E4M3, transpose=True)
+    assert q_t.shape == (17, 33) and q_t.is_contiguous() and q_t.dtype == E4M3
+    assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8)) and torch.equal(inv2, inv)
+    assert torch.equal(q_t.view(torch.uint8), q.view(torch.uint8).t())
 
 
 def _operands(seed=0, tokens=(4, 8), hidden=64, vocab=96):

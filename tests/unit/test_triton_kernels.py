@@ -3,9 +3,6 @@ the split-KV paged decode attention (`megatron_patch.inference.decode_attention`
 (`megatron_patch.inference.decode_rope`, also through the dynamic engine), the same source the GPU runs, against
 float64 references of the same inputs."""
 
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -13,22 +10,11 @@ import torch
 from megatron_patch.inference import decode_attention, decode_rope, dynamic
 from megatron_patch.inference import gemv as gemv_mod
 from megatron_patch.inference.paged_attention import attend
-from tests.helpers import rope_reference, rope_table
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# Triton reads TRITON_INTERPRET when it is imported: the kernel tests run in a process that set it first
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+from tests.helpers import INTERPRETED, rope_reference, rope_table, run_interpreted
 
 
 def test_the_kernel_tests_under_triton_interpreter():
-    pytest.importorskip("triton")
-    if INTERPRETED:
-        pytest.skip("this is that process")
-    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
-                        "gemv_ or attention_ or rope_", os.path.abspath(__file__)], cwd=ROOT, capture_output=True,
-                       text=True, timeout=600, env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": ROOT})
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
-    assert " passed" in p.stdout and "skipped" not in p.stdout.splitlines()[-1], p.stdout[-500:]
+    run_interpreted(__file__, "gemv_ or attention_ or rope_")
 
 
 @pytest.fixture
