@@ -52,10 +52,12 @@ def _cast_kernel():
         cols = (pid % tiles_n) * TILE + tl.arange(0, TILE)
         ok = (rows[:, None] < m) & (cols[None, :] < n)
         x = tl.load(x_ptr + rows[:, None] * n + cols[None, :], mask=ok, other=0.0).to(tl.float32) * tl.load(scale_ptr)
-        q = tl.minimum(tl.maximum(x, -fmax), fmax).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + rows[:, None] * n + cols[None, :], q, mask=ok)
-        if TRANSPOSE:
-            tl.store(out_t_ptr + cols[:, None] * m + rows[None, :], tl.trans(q), mask=tl.trans(ok))
+        x = tl.minimum(tl.maximum(x, -fmax), fmax)
+        tl.store(out_ptr + rows[:, None] * n + cols[None, :], x.to(out_ptr.dtype.element_ty), mask=ok)
+        if TRANSPOSE:  # the fp32 tile transposed, then cast: the same rounding of the same values
+            ok_t = (cols[:, None] < n) & (rows[None, :] < m)
+            tl.store(out_t_ptr + cols[:, None] * m + rows[None, :], tl.trans(x).to(out_t_ptr.dtype.element_ty),
+                     mask=ok_t)
 
     return cast_kernel
 
