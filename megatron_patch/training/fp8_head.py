@@ -79,10 +79,11 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def quantize(x: torch.Tensor, dtype: torch.dtype, transpose: bool = False):
-    """x (2-D) in FP8 `dtype` with one scale measured now: (q, scale_inv), q = round(x * scale) clamped to the
-    format, scale = the format's largest / amax(|x|) (1 where x is all zeros), scale_inv = 1 / scale as fp32 [];
-    with `transpose`, (q, scale_inv, q_t), q_t = q^T laid out row by row ([n, m], contiguous: Hopper's FP8 GEMM takes
+def quantize(x: torch.Tensor, dtype: torch.dtype,
+             transpose: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """x (2-D) in FP8 `dtype` with one scale measured now: (q, scale_inv, q_t), q = round(x * scale) clamped to
+    the format, scale = the format's largest / amax(|x|) (1 where x is all zeros), scale_inv = 1 / scale as fp32 [];
+    q_t None, or with `transpose` q^T laid out row by row ([n, m], contiguous: Hopper's FP8 GEMM takes
     each operand with the reduced dimension contiguous, so the backward's GEMMs need the transposed layouts), written
     by the same pass over x where the kernel runs (as Transformer Engine's cast-transpose) rather than by a strided
     copy of q. No host synchronisation (the scale stays on the device)."""
@@ -103,7 +104,7 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, transpose: bool = False):
             out[lo:lo + CHUNK_ELEMENTS] = (flat[lo:lo + CHUNK_ELEMENTS].float() * scale).clamp(-fmax, fmax).to(dtype)
         if transpose:
             q_t.copy_(q.t())
-    return (q, scale.reciprocal()) if not transpose else (q, scale.reciprocal(), q_t)
+    return q, scale.reciprocal(), q_t
 
 
 class _Fp8Linear(torch.autograd.Function):
@@ -127,15 +128,14 @@ class _Fp8Linear(torch.autograd.Function):
         xq_t, x_inv, wq_t, w_inv = ctx.saved_tensors
         weight = ctx.weight
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        cast = quantize(grad_y.reshape(-1, weight.shape[0]), E5M2, transpose=need_w)
-        gq, g_inv = cast[0], cast[1]
+        gq, g_inv, gq_t = quantize(grad_y.reshape(-1, weight.shape[0]), E5M2, transpose=need_w)
         grad_x = grad_w = None
         if need_x:  # [tokens, V] x [V, hidden], the second operand column by column (w^T's rows)
             grad_x = torch._scaled_mm(gq, wq_t.t(), scale_a=g_inv, scale_b=w_inv, out_dtype=ctx.dtype)
             grad_x = grad_x.view(*ctx.lead, weight.shape[1])
         if need_w:  # [V, tokens] x [tokens, hidden]: g^T's rows, x^T's rows as the second operand's columns
             fused = ctx.fuse_main_grad and hasattr(weight, "main_grad")
-            grad_w = torch._scaled_mm(cast[2], xq_t.t(), scale_a=g_inv, scale_b=x_inv,
+            grad_w = torch._scaled_mm(gq_t, xq_t.t(), scale_a=g_inv, scale_b=x_inv,
                                       out_dtype=torch.float32 if fused else weight.dtype)
             if fused:
                 weight.main_grad.add_(grad_w)

@@ -351,9 +351,9 @@ def test_fp8_head_kernels_and_a_tied_model(tmp_path):
     g = (torch.randn(512, 384, device="cuda") * 1e-3).bfloat16()
     y = fp8_head.fp8_matmul(a, w)
     y.backward(g)
-    (aq, a_inv), (wq, w_inv) = fp8_head.quantize(a.detach(), fp8_head.E4M3), fp8_head.quantize(w.detach(),
+    (aq, a_inv, _), (wq, w_inv, _) = fp8_head.quantize(a.detach(), fp8_head.E4M3), fp8_head.quantize(w.detach(),
                                                                                                  fp8_head.E4M3)
-    gq, g_inv = fp8_head.quantize(g, fp8_head.E5M2)
+    gq, g_inv, _ = fp8_head.quantize(g, fp8_head.E5M2)
 
     def deq(q, inv):
         return q.double() * inv.double()

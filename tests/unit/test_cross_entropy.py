@@ -3,7 +3,6 @@ language-model loss and its gradient against float64 truth and megatron-core's o
 the vocabulary split over two ranks, in fp32 and bf16, through the torch path (row chunks) and the Triton kernels
 (under Triton's interpreter); what each keeps for the backward; the patch's seam."""
 
-
 import pytest
 import torch
 

@@ -5,7 +5,6 @@ Each GEMM is checked against the exact product of its dequantized FP8 operands (
 GEMM's fp32 accumulation and one rounding of the output, so the tolerance is the output dtype's half ulp plus the
 fp32 accumulation's bound."""
 
-
 import pytest
 import torch
 
@@ -37,8 +36,8 @@ def _close(got, want, dtype, k):
 def test_quantize_rounds_each_scaled_value_to_the_nearest_fp8_value(dtype):
     torch.manual_seed(0)
     x = torch.randn(64, 48, dtype=torch.bfloat16) * 3
-    q, inv = quantize(x, dtype)
-    assert q.dtype == dtype and q.shape == x.shape and inv.dtype == torch.float32 and inv.dim() == 0
+    q, inv, q_t = quantize(x, dtype)
+    assert q_t is None and q.dtype == dtype and q.shape == x.shape and inv.dtype == torch.float32 and inv.dim() == 0
     # the scale in fp32 as documented: the format's largest over amax, one division; scale_inv its reciprocal
     scale = torch.tensor(torch.finfo(dtype).max) / x.float().abs().max()
     assert torch.equal(inv, scale.reciprocal())
@@ -53,7 +52,7 @@ def test_quantize_rounds_each_scaled_value_to_the_nearest_fp8_value(dtype):
 
 
 def test_quantize_of_zeros_and_in_chunks():
-    q, inv = quantize(torch.zeros(4, 16, dtype=torch.bfloat16), E4M3)
+    q, inv, _ = quantize(torch.zeros(4, 16, dtype=torch.bfloat16), E4M3)
     assert inv.item() == 1.0 and not q.float().any()
     x = torch.randn(33, 17, dtype=torch.bfloat16)
     whole = quantize(x, E5M2)
@@ -97,7 +96,7 @@ def test_quantize_with_the_transposed_layout():
     """`transpose=True` adds q^T laid out row by row (what the backward's GEMMs take): the same bytes as q, the
     same scale, nothing else changed."""
     x = torch.randn(33, 17, dtype=torch.bfloat16) * 5
-    q, inv = quantize(x, E4M3)
+    q, inv, _ = quantize(x, E4M3)
     q2, inv2, q_t = quantize(x, E4M3, transpose=True)
     assert q_t.shape == (17, 33) and q_t.is_contiguous() and q_t.dtype == E4M3
     assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8)) and torch.equal(inv2, inv)
@@ -116,11 +115,11 @@ def test_the_three_gemms_are_the_products_of_their_fp8_operands():
     x, w, grad_y = _operands()
     y = fp8_matmul(x, w)
     assert y.shape == (4, 8, 96) and y.dtype == torch.bfloat16
-    xq, x_inv = quantize(x.detach().reshape(-1, 64), E4M3)
-    wq, w_inv = quantize(w.detach(), E4M3)
+    xq, x_inv, _ = quantize(x.detach().reshape(-1, 64), E4M3)
+    wq, w_inv, _ = quantize(w.detach(), E4M3)
     _close(y.reshape(-1, 96), _deq(xq, x_inv) @ _deq(wq, w_inv).t(), torch.bfloat16, 64)
     y.backward(grad_y)
-    gq, g_inv = quantize(grad_y.reshape(-1, 96), E5M2)
+    gq, g_inv, _ = quantize(grad_y.reshape(-1, 96), E5M2)
     _close(x.grad.reshape(-1, 64), _deq(gq, g_inv) @ _deq(wq, w_inv), torch.bfloat16, 96)
     _close(w.grad, _deq(gq, g_inv).t() @ _deq(xq, x_inv), torch.bfloat16, 32)
     # and near the bf16 product: FP8's rounding, a few percent of the output's scale
@@ -146,8 +145,8 @@ def test_the_weight_gradient_goes_to_main_grad_with_megatron_core_s_dummy(tied):
     if tied:
         w.zero_out_wgrad = True
     fp8_matmul(x, w, fuse_main_grad=True).backward(grad_y)
-    xq, x_inv = quantize(x.detach().reshape(-1, 64), E4M3)
-    gq, g_inv = quantize(grad_y.reshape(-1, 96), E5M2)
+    xq, x_inv, _ = quantize(x.detach().reshape(-1, 64), E4M3)
+    gq, g_inv, _ = quantize(grad_y.reshape(-1, 96), E5M2)
     _close(w.main_grad - start, _deq(gq, g_inv).t() @ _deq(xq, x_inv), torch.float32, 32)
     assert w.grad_added_to_main_grad is True and w.grad.shape == (96, 64)
     if tied:

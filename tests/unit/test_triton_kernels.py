@@ -3,7 +3,6 @@ the split-KV paged decode attention (`megatron_patch.inference.decode_attention`
 (`megatron_patch.inference.decode_rope`, also through the dynamic engine), the same source the GPU runs, against
 float64 references of the same inputs."""
 
-
 import pytest
 import torch
 
