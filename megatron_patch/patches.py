@@ -25,6 +25,7 @@ from packaging.specifiers import SpecifierSet
 from torch.overrides import TorchFunctionMode
 
 from megatron_patch import compat
+from megatron_patch.runtime import kernels
 
 
 @dataclass
@@ -606,13 +607,7 @@ def _fp8_autocast_probe() -> Callable[[], bool]:
 
 def _gpu_with_triton() -> bool:
     """Whether our Triton kernels can run here: a CUDA GPU and Triton importable."""
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return torch.cuda.is_available() and kernels.triton_installed()
 
 
 def _gemv_serves(x: torch.Tensor, weight, tp_size: int, fp8_on: Callable[[], bool]) -> bool:

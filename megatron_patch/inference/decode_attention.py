@@ -16,9 +16,10 @@ it for any lengths."""
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
+
+from megatron_patch.runtime import kernels
 
 BLOCK_T = 64  # key positions per tile
 TARGET_PROGRAMS = 264  # ~2 per SM of an H100 / H200
@@ -68,7 +69,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), block_table.stride(0), o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse.stride(0), lse.stride(1), PAGE=page, GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), D=dim,
-        PART=part, BLOCK_T=BLOCK_T, DOT_F32=os.environ.get("TRITON_INTERPRET") == "1", ALIBI=alibi, num_warps=4)
+        PART=part, BLOCK_T=BLOCK_T, DOT_F32=kernels.interpreted(), ALIBI=alibi, num_warps=4)
     return _combine(o_part, lse, y)
 
 
@@ -111,7 +112,7 @@ def mla_decode_attention(q: torch.Tensor, latents: torch.Tensor, block_table: to
         q, latents, block_table, seqlens_k, o_part, lse, float(scale), heads, q.stride(0), q.stride(1),
         latents.stride(0), latents.stride(1), block_table.stride(0), o_part.stride(0), o_part.stride(1),
         o_part.stride(2), lse.stride(0), lse.stride(1), PAGE=page, HB=MLA_HEADS_PER_PROGRAM, D=rank,
-        DR=latents.shape[-1] - rank, PART=part, BLOCK_T=BLOCK_T, DOT_F32=os.environ.get("TRITON_INTERPRET") == "1",
+        DR=latents.shape[-1] - rank, PART=part, BLOCK_T=BLOCK_T, DOT_F32=kernels.interpreted(),
         num_warps=8)
     return _combine(o_part, lse, y)
 

@@ -17,9 +17,10 @@ kernel, with megatron-core's unfused arithmetic."""
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
+
+from megatron_patch.runtime import kernels
 
 try:  # precise sine and cosine (angles reach thousands of radians); a module global, as Triton's JIT resolves it
     from triton.language.extra import libdevice
@@ -82,7 +83,7 @@ def _launch(t: torch.Tensor, out: torch.Tensor, freqs: torch.Tensor, positions: 
     triton, kernel = _kernel()
     kernel[(n,)](v, o, freqs, positions, float(mscale), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
                  freqs.stride(0), HEADS=heads, H_PAD=triton.next_power_of_2(heads), HALF=half,
-                 HALF_PAD=triton.next_power_of_2(half), NUMPY_TRIG=os.environ.get("TRITON_INTERPRET") == "1",
+                 HALF_PAD=triton.next_power_of_2(half), NUMPY_TRIG=kernels.interpreted(),
                  MLA=mla, num_warps=4)
 
 

@@ -25,9 +25,10 @@ torch operations over row chunks of `CHUNK_ROWS` (the same arithmetic, a bounded
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
+
+from megatron_patch.runtime import kernels
 
 CHUNK_ROWS = 1024  # rows of the torch path's fp32 working set: 0.5 GB at a 128k vocabulary
 BLOCK = 4096  # vocabulary entries a kernel program reads per step (8 KB of bf16)
@@ -80,15 +81,7 @@ def _kernels():
 def _in_kernels(x: torch.Tensor) -> bool:
     """Whether the Triton kernels take x (2-D, rows contiguous): a CUDA tensor with Triton installed, or any
     tensor under Triton's interpreter."""
-    if x.stride(-1) != 1:
-        return False
-    if not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return x.stride(-1) == 1 and (x.is_cuda or kernels.interpreted()) and kernels.triton_installed()
 
 
 def _block(vocab: int) -> int:

@@ -33,6 +33,8 @@ import functools
 
 import torch
 
+from megatron_patch.runtime import kernels
+
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 CHUNK_ELEMENTS = 1 << 26  # the torch path's fp32 working set: 256 MB
 TILE = 64  # the kernel's tile: TILE x TILE elements a program
@@ -66,13 +68,7 @@ def _in_kernel(x: torch.Tensor) -> bool:
     """A CUDA tensor with Triton installed. Not under Triton's interpreter: its fp8 stores drop the carry of a
     rounding into the exponent (126.5 stored as 64 in E4M3, triton 3.8), so the kernel is checked against the torch
     path on a GPU (tests/gpu) and the CPU tests take the torch path."""
-    if not x.is_cuda:
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return x.is_cuda and kernels.triton_installed()
 
 
 def _cdiv(a: int, b: int) -> int:
