@@ -17,7 +17,8 @@ own) keeps everything (tying, its state dict, tensor and sequence parallelism) b
   gradient = grad_out(E5M2) x weight(E4M3), the weight's = grad_out^T(E5M2) x input(E4M3) (the GEMMs'
   partial sums promoted to fp32 at intervals, `use_fast_accum=False`: Hopper's FP8 tensor cores keep about 14 bits
   as they add, 2^-12.7 of the sum of the products' magnitudes at most on an H100); the weight's gradient is added
-  to its fp32 `main_grad` where megatron-core fuses weight-gradient accumulation (with its dummy-gradient protocol,
+  to its fp32 `main_grad` where megatron-core fuses weight-gradient accumulation (inside the GEMM where Transformer
+  Engine is installed, `training.wgrad.accumulate_fp8`; with megatron-core's dummy-gradient protocol,
   `zero_out_wgrad` for a tied weight), or returned in the weight's dtype otherwise.
 
 Whatever the run's recipe (delayed scaling included), this layer scales each tensor as it is cast: nothing is kept
@@ -34,6 +35,7 @@ import functools
 import torch
 
 from megatron_patch.runtime import kernels
+from megatron_patch.training import wgrad
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 CHUNK_ELEMENTS = 1 << 26  # the torch path's fp32 working set: 256 MB
@@ -131,11 +133,14 @@ class _Fp8Linear(torch.autograd.Function):
             grad_x = grad_x.view(*ctx.lead, weight.shape[1])
         if need_w:  # [V, tokens] x [tokens, hidden]: g^T's rows, x^T's rows as the second operand's columns
             fused = ctx.fuse_main_grad and hasattr(weight, "main_grad")
-            grad_w = torch._scaled_mm(gq_t, xq_t.t(), scale_a=g_inv, scale_b=x_inv,
-                                      out_dtype=torch.float32 if fused else weight.dtype)
-            if fused:
-                weight.main_grad.add_(grad_w)
+            if fused and wgrad.accumulate_fp8(xq_t, x_inv, gq_t, g_inv, weight.main_grad):
                 grad_w = _dummy_wgrad(weight, ctx.dtype)
+            else:
+                grad_w = torch._scaled_mm(gq_t, xq_t.t(), scale_a=g_inv, scale_b=x_inv,
+                                          out_dtype=torch.float32 if fused else weight.dtype)
+                if fused:
+                    weight.main_grad.add_(grad_w)
+                    grad_w = _dummy_wgrad(weight, ctx.dtype)
         return grad_x, grad_w, None
 
 

@@ -11,7 +11,8 @@ bf16 and the DDP hook adds it into `main_grad` afterwards. At LLaMA-3-8B's outpu
 
 `WgradAccumulation` stands in for that extension (its two calls, the same arguments): main_grad += dyᵀ·x, on a
 GPU through Transformer Engine's cuBLAS GEMM with an fp32 output and beta = 1 (the call TE's own layers make for
-their fused accumulation), elsewhere through torch in `main_grad`'s dtype.
+their fused accumulation), elsewhere through torch in `main_grad`'s dtype. `accumulate_fp8` makes the same call
+with FP8 operands (the torch FP8 output layer, `training.fp8_head`).
 
 The word embedding (`VocabParallelEmbedding`, same size as the output layer at 8B) has the same add: its backward
 (`F.embedding`'s) writes a dense bf16 [vocabulary, hidden] gradient, zeros but for a micro-batch's rows, which the
@@ -54,6 +55,38 @@ def accumulate(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: 
              out=main_grad, grad=True)
     else:
         main_grad.addmm_(dy.t().to(main_grad.dtype), x.to(main_grad.dtype))
+
+
+def _fp8_columnwise(q_t: torch.Tensor, scale_inv: torch.Tensor):
+    """Transformer Engine's FP8 tensor for an FP8 operand held only transposed (`q_t` [n, m] of a logical [m, n],
+    its `columnwise` data, as TE's layers keep what they save for the backward) with its scale inverse; None where
+    this Transformer Engine has no such storage (not installed, or a release before `tensor.storage`)."""
+    try:
+        import transformer_engine_torch as tex
+        from transformer_engine.pytorch.tensor.storage.float8_tensor_storage import Float8TensorStorage
+    except ImportError:
+        return None
+    formats = {torch.float8_e4m3fn: tex.DType.kFloat8E4M3, torch.float8_e5m2: tex.DType.kFloat8E5M2}
+    return Float8TensorStorage(data=None, fp8_scale_inv=scale_inv.reshape(1), fp8_dtype=formats[q_t.dtype],
+                               data_transpose=q_t, quantizer=None)
+
+
+def accumulate_fp8(x_t: torch.Tensor, x_inv: torch.Tensor, dy_t: torch.Tensor, dy_inv: torch.Tensor,
+                   main_grad: torch.Tensor) -> bool:
+    """main_grad [out, in] += dy [N, out]ᵀ · x [N, in] for FP8 operands given transposed (`dy_t` [out, N],
+    `x_t` [in, N], each with its fp32 scale inverse), inside Transformer Engine's cuBLAS GEMM (fp32 output, beta = 1,
+    partial sums promoted to fp32 at intervals: TE's own weight-gradient GEMM for its FP8 layers), so no
+    [out, in] fp32 temporary is written and read back. False where that GEMM does not take it (no Transformer
+    Engine, or main_grad not a contiguous fp32 CUDA tensor): the caller computes the product itself."""
+    if not (main_grad.is_cuda and main_grad.dtype == torch.float32 and main_grad.is_contiguous()):
+        return False
+    gemm = _te_general_gemm()
+    x, dy = _fp8_columnwise(x_t, x_inv), _fp8_columnwise(dy_t, dy_inv)
+    if gemm is None or x is None:
+        return False
+    gemm(x, dy, out_dtype=torch.float32, accumulate=True, layout="NT", out=main_grad, grad=True,
+         use_split_accumulator=True)
+    return True
 
 
 class WgradAccumulation:

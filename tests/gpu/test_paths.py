@@ -327,13 +327,14 @@ def test_fp8_head_kernels_and_a_tied_model(tmp_path):
     of their dequantized operands: within one bf16 rounding (2^-8 relative) plus 2^-11 of the sum of the products'
     magnitudes, the accumulation of Hopper's FP8 tensor cores, which keep about 14 bits, not fp32's 24, as they add
     (DeepSeek-V3's report, section 3.3.2; measured on an H100 on 2026-12-06: 2^-12.7 of that sum at most, fp32
-    output, `use_fast_accum=False` as here; the first bound, fp32's 2^-23 per addition, failed at 3x); and a
+    output, `use_fast_accum=False` as here; the first bound, fp32's 2^-23 per addition, failed at 3x), the weight's
+    gradient the same added into an fp32 main_grad inside Transformer Engine's GEMM; and a
     tied-embedding model (`tie_word_embeddings`, which Transformer Engine's output layer refuses) trains with
     `--fp8-output-layer` like fp8 without it: the first loss within 0.02, all within twice fp8's own distance
     from bf16 (at least 0.05), as the lever test bounds the untied one."""
     import torch
 
-    from megatron_patch.training import fp8_head
+    from megatron_patch.training import fp8_head, wgrad
     from tests.models import llama_config
 
     torch.manual_seed(0)
@@ -363,6 +364,20 @@ def test_fp8_head_kernels_and_a_tied_model(tmp_path):
         want = p @ q
         bound = want.abs() * 2.0 ** -8 + (p.abs() @ q.abs()) * 2.0 ** -11
         assert bool(((got.double() - want).abs() <= bound).all()), (got.double() - want).abs().max()
+    # the weight's gradient added to an fp32 main_grad inside Transformer Engine's GEMM (beta = 1), as
+    # megatron-core's fused accumulation asks: the same product, one fp32 rounding of the sum
+    w_fused = w.detach().clone().requires_grad_()
+    start = torch.randn(w_fused.shape, device="cuda")
+    w_fused.main_grad, w_fused.grad_added_to_main_grad = start.clone(), False
+    fp8_head.fp8_matmul(a.detach(), w_fused, fuse_main_grad=True).backward(g)
+    assert w_fused.grad_added_to_main_grad
+    p, q = deq(gq, g_inv).t(), deq(aq, a_inv)
+    want = start.double() + p @ q
+    bound = (start.double().abs() + (p @ q).abs()) * 2.0 ** -23 + (p.abs() @ q.abs()) * 2.0 ** -11
+    assert bool(((w_fused.main_grad.double() - want).abs() <= bound).all())
+    direct = start.clone()  # and it was Transformer Engine's GEMM, not the torch fallback
+    assert wgrad.accumulate_fp8(aq.t().contiguous(), a_inv, gq.t().contiguous(), g_inv, direct)
+    assert torch.equal(direct, w_fused.main_grad)
 
     config = tmp_path / "config.json"
     config.write_text(json.dumps(llama_config("tied", **GPU_CFG, max_position_embeddings=256)))
