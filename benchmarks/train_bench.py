@@ -430,6 +430,8 @@ class ShapeRows:
                 self.hf_rate, row["vs_hf"] = row["tokens_per_s"], 1.0
             if "titan_log" in result:  # torchtitan's own last log line (its tokens/s and MFU)
                 row["torchtitan_log"] = result["titan_log"]
+            if result.get("gpu_clock"):
+                row["gpu_clock"] = result["gpu_clock"]
             if self.losses and result.get("losses"):  # shown, so a difference can be read (where runs part)
                 row["losses"] = [round(v, 4) for v in result["losses"][:self.losses]]
             reference = loss_reference(name[5:]) if name.startswith("ours ") else None
@@ -449,6 +451,16 @@ def _loss_cell(row: dict) -> str:
     return f"{'n/a' if diff is None else f'{diff:.2g}'} (vs {row['loss_reference']})"
 
 
+def _clock_cell(row: dict) -> str:
+    """The median SM clock and power while the row ran, and the reasons that lowered the clock with their share of
+    the busy samples (`machine.summarise_clocks`): "1,755 MHz, 690 W (power cap 85%)"."""
+    c = row.get("gpu_clock")
+    if not c:
+        return ""
+    slowed = ", ".join(f"{name} {share:.0%}" for name, share in c.get("slowed", {}).items())
+    return f"{c['sm_mhz']:,} MHz, {c['power_w']} W" + (f" ({slowed})" if slowed else "")
+
+
 def torchdynamo_on(argv: list[str]) -> None:
     """Restart this script without TORCHDYNAMO_DISABLE where it is set (the GPU suite's environment sets it):
     megatron-core fuses SwiGLU, bias-dropout-add and more through `torch.compile` (its `jit_fuser`), which the
@@ -465,7 +477,7 @@ def torchdynamo_on(argv: list[str]) -> None:
 def main() -> None:
     torchdynamo_on(sys.argv[1:])
     import titan_peer  # beside this script: the torchtitan rows
-    from machine import code_hash, machine  # beside this script
+    from machine import GpuClocks, code_hash, machine  # beside this script
     from results_file import ResultsFile
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -509,7 +521,12 @@ def main() -> None:
             "iters": a.iters, "micro_batches": a.micro_batches, "gpus": a.gpus, "losses": a.losses}})
 
         def add(shape_rows: ShapeRows, name: str, measure, *args) -> None:  # measured, or kept by an earlier call
-            shape_rows.add(name, kept.measured(f"{shape_rows.shape}|{name}", lambda: measure(*args)))
+            def clocked() -> dict:  # the GPUs' clocks while it ran (a row at a lowered clock reads as such)
+                with GpuClocks() as clocks:
+                    result = measure(*args)
+                return {**result, "gpu_clock": clocks.summary} if clocks.summary else result
+
+            shape_rows.add(name, kept.measured(f"{shape_rows.shape}|{name}", clocked))
 
         for shape in a.shapes:
             flops = flops_per_sample(shape)
@@ -536,15 +553,15 @@ def main() -> None:
           f"TE {meta.get('transformer_engine')}, transformers {meta.get('transformers')}, "
           f"torchtitan {meta.get('torchtitan')}; "
           f"{a.micro_batches} micro-batches per step")
-    print("| shape | run | tokens/s | TFLOP/s per GPU | × HF | peak GB | resident GB | max Δloss (vs) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| shape | run | tokens/s | TFLOP/s per GPU | × HF | peak GB | resident GB | max Δloss (vs) | SM clock |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
             last = r["error"].splitlines()[-1] if r["error"] else ""
-            print(f"| {r['shape']} | {r['run']} | error: {last} | | | | | |")
+            print(f"| {r['shape']} | {r['run']} | error: {last} | | | | | | |")
         else:
             print(f"| {r['shape']} | {r['run']} | {r['tokens_per_s']:,} | {r['tflops_per_gpu']} | {r['vs_hf'] or ''} | "
-                  f"{r['peak_gb']} | {r.get('resident_gb', '')} | {_loss_cell(r)} |")
+                  f"{r['peak_gb']} | {r.get('resident_gb', '')} | {_loss_cell(r)} | {_clock_cell(r)} |")
     print(json.dumps({"meta": meta, "rows": rows}))
 
 

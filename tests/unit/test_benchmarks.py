@@ -11,6 +11,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -575,3 +576,46 @@ def test_the_tied_1b_shape_and_the_fp8_head_rows():
     assert len(commands) == 1 and "--fp8-output-layer" in commands[0]
     assert tb.RUNS["fp8 +fp8-head-torch"][2] == ["--fp8-output-layer", "--fp8-output-layer-impl", "torch"]
     assert tb.loss_reference("fp8 +fp8-head-torch") == tb.loss_reference("fp8 +fp8-head") == "fp8"
+
+
+def test_gpu_clocks_are_summarised_over_the_busy_samples():
+    """The GPUs' clocks while a side ran (issue 28: on 2026-12-06 our fp8 row at 1B measured 1.04-1.22 s a step
+    on one H100 within 20 minutes, HF's and torchtitan's within 0.3%): idle samples and unreadable lines left out,
+    the median and lowest SM clock, median power, hottest reading and each slowdown reason's share of the samples."""
+    from machine import summarise_clocks
+
+    text = "\n".join(["210, 70.1, 35, 0x0000000000000001",   # idle: the model still being built
+                      "1980, 650.0, 55, 0x0000000000000000",
+                      "1755, 700.2, 61, 0x0000000000000004",  # power cap
+                      "1650, 699.8, 66, 0x0000000000000024",  # power cap and software thermal slowdown
+                      "[N/A], [N/A], 60, [N/A]", "1700, 69"])  # a field not read, a line cut by the stop
+    assert summarise_clocks(text) == {"sm_mhz": 1755, "sm_mhz_min": 1650, "power_w": 700, "temp_c_max": 66,
+                                      "samples": 3, "slowed": {"power cap": 0.67, "sw thermal": 0.33}}
+    assert summarise_clocks("210, 70.1, 35, 0x1\n") is None and summarise_clocks("") is None
+
+
+def test_gpu_clocks_sample_nvidia_smi_while_a_side_runs(tmp_path, monkeypatch):
+    """`GpuClocks` runs nvidia-smi's sampling loop (here a stand-in on PATH) for the `with` block and summarises
+    what it printed; each row carries the summary and the table shows it. Without nvidia-smi: no summary."""
+    import train_bench as tb
+    from machine import GpuClocks
+
+    started = tmp_path / "started"
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\ncase \"$*\" in *-lms*) ;; *) echo '1980, 650, 55, 0x0'; exit 0;; esac\n"
+                    f"while true; do echo '1755, 700, 61, 0x4'; touch {started}; sleep 0.05; done\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    with GpuClocks() as clocks:
+        while not started.exists():  # the sampler printed at least once
+            time.sleep(0.01)
+    assert clocks.summary["sm_mhz"] == 1755 and clocks.summary["slowed"] == {"power cap": 1.0}
+    rows: list[dict] = []
+    tb.ShapeRows("8b", 1e12, 1, 0, rows).add("hf", {"s_per_iter": 2.0, "samples": 8, "peak_gb": 45.0,
+                                                    "gpu_clock": clocks.summary})
+    assert rows[0]["gpu_clock"] == clocks.summary
+    assert tb._clock_cell(rows[0]) == "1,755 MHz, 700 W (power cap 100%)"
+    monkeypatch.setenv("PATH", str(tmp_path / "none"))
+    with GpuClocks() as none:
+        pass
+    assert none.summary is None and tb._clock_cell({"shape": "8b"}) == ""
