@@ -250,16 +250,36 @@ def _train(tmp_path, name: str, model: list[str], iters: int, *extra: str, data:
     return run
 
 
+# tiny runs whose time is their start (imports, Transformer Engine, compiling): up to this many at once on the one
+# GPU, each in its own folder and on its own port (`train_proof.train`); TRAIN_WORKERS=1 runs them one by one
+TRAIN_WORKERS = int(os.environ.get("TRAIN_WORKERS", "3"))
+
+
+def _train_all(tmp_path, model: list[str], iters: int, cases, *common: str) -> dict[str, dict]:
+    """`_train` for each (name, extra arguments) of `cases`, TRAIN_WORKERS at a time, each in tmp_path / name (its
+    log there, NAME.log): {name: run}. Each run is its own process, so running beside others changes no number it
+    computes, only when."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(name: str, extra) -> dict:
+        folder = tmp_path / name
+        folder.mkdir(exist_ok=True)
+        return _train(folder, name, model, iters, *common, *extra)
+
+    with ThreadPoolExecutor(max(1, TRAIN_WORKERS)) as pool:
+        futures = {name: pool.submit(one, name, extra) for name, extra in cases}
+    return {name: future.result() for name, future in futures.items()}
+
+
 @pytest.mark.smoke
 def test_pretrain_bf16_and_fp8(tmp_path):
     from tests.models import llama_config
 
     config = tmp_path / "config.json"
     config.write_text(json.dumps(llama_config("gqa", **GPU_CFG, max_position_embeddings=256)))
-    losses = {}
-    for precision in ("bf16", "fp8"):
-        run = _train(tmp_path, precision, ["--hf-config", str(config)], 5, "--precision", precision, "--lr", "3e-3")
-        losses[precision] = run["losses"]
+    runs = _train_all(tmp_path, ["--hf-config", str(config)], 5,
+                      [(precision, ("--precision", precision)) for precision in ("bf16", "fp8")], "--lr", "3e-3")
+    losses = {precision: run["losses"] for precision, run in runs.items()}
     _record(test="pretrain_smoke", losses=losses)
     for precision, series in losses.items():
         assert sorted(series) == [1, 2, 3, 4, 5], (precision, series)
@@ -301,8 +321,9 @@ def test_training_levers_train_like_the_default(tmp_path):
              ("fp8-head", "fp8", ("--fp8-output-layer",)),
              ("fp8-head-torch", "fp8", ("--fp8-output-layer", "--fp8-output-layer-impl", "torch")),
              ("fp8-fused-mlp", "fp8", fuser))
-    runs = {name: _train(tmp_path, name, model, 5, "--lr", "3e-3", "--precision", precision, *extra)["losses"]
-            for name, precision, extra in cases}
+    runs = {name: run["losses"] for name, run in _train_all(
+        tmp_path, model, 5, [(name, ("--precision", precision, *extra)) for name, precision, extra in cases],
+        "--lr", "3e-3").items()}
     diffs = {name: [abs(runs[name][i] - runs[base][i]) for i in sorted(runs[base])]
              for name, base in (("bf16-no-wgrad", "bf16"), ("fp8-head", "fp8"), ("fp8-head-torch", "fp8"),
                                 ("bf16-fused-mlp", "bf16"),
@@ -382,9 +403,9 @@ def test_fp8_head_kernels_and_a_tied_model(tmp_path):
     config = tmp_path / "config.json"
     config.write_text(json.dumps(llama_config("tied", **GPU_CFG, max_position_embeddings=256)))
     model = ["--hf-config", str(config)]
-    runs = {name: _train(tmp_path, name, model, 5, "--lr", "3e-3", "--precision", precision, *extra)["losses"]
-            for name, precision, extra in (("bf16", "bf16", ()), ("fp8", "fp8", ()),
-                                           ("fp8-head", "fp8", ("--fp8-output-layer",)))}
+    runs = {name: run["losses"] for name, run in _train_all(
+        tmp_path, model, 5, [("bf16", ("--precision", "bf16")), ("fp8", ("--precision", "fp8")),
+                             ("fp8-head", ("--precision", "fp8", "--fp8-output-layer"))], "--lr", "3e-3").items()}
     diffs = [abs(runs["fp8-head"][i] - runs["fp8"][i]) for i in sorted(runs["fp8"])]
     fp8_from_bf16 = max(abs(runs["fp8"][i] - runs["bf16"][i]) for i in runs["bf16"])
     _record(test="fp8_head_tied", losses=runs, diffs=diffs, fp8_from_bf16=fp8_from_bf16)
@@ -407,9 +428,9 @@ def test_default_profile_trains_on_fa4_as_on_cudnn(tmp_path):
         pytest.skip("Transformer Engine found no FlashAttention-4 on a Hopper GPU (`stage_wheels.sh fa4`)")
     config = tmp_path / "config.json"
     config.write_text(json.dumps(llama_config("gqa", **{**GPU_CFG, "head_dim": 64}, max_position_embeddings=256)))
-    runs = {name: _train(tmp_path, name, ["--hf-config", str(config)], 5, "--lr", "3e-3", *extra)
-            for name, extra in (("flash", ()), ("fused", ("--attention-backend", "fused")))}
-    log = open(tmp_path / "flash.log").read()
+    runs = _train_all(tmp_path, ["--hf-config", str(config)], 5,
+                      [("flash", ()), ("fused", ("--attention-backend", "fused"))], "--lr", "3e-3")
+    log = open(tmp_path / "flash" / "flash.log").read()
     assert re.search(r"attention_backend \.+ AttnBackend\.flash", log), "the profile did not choose flash"
     flash, fused = runs["flash"]["losses"], runs["fused"]["losses"]
     diffs = [abs(flash[i] - fused[i]) for i in sorted(fused)]

@@ -59,8 +59,10 @@ def train(out: str, name: str, nproc: int, data: str | None, model: list[str], i
         data_args = ["--mock-data"]
     else:
         data_args = ["--sft-data", data] if entry == "sft" else ["--data-path", data, "--split", "100,0,0"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-           str(29500 + hash(name) % 1000), "-m", f"megatron_patch.{entry}", *model, *data_args,
+    # --standalone: a free port of torchrun's own choosing, so that runs side by side (`test_paths._train_all`) do
+    # not meet on one
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           "-m", f"megatron_patch.{entry}", *model, *data_args,
            "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", TINY_TOKENIZER,
            "--seq-length", "512", "--micro-batch-size", "8", "--global-batch-size", "32", "--train-iters", str(iters),
            "--lr", "6e-4", "--min-lr", "6e-5", "--lr-decay-style", "cosine", "--lr-warmup-iters", "10",
