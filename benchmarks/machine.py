@@ -126,7 +126,7 @@ class GpuClocks:
         query = exe and _clock_query(exe)
         if query:
             self._proc = subprocess.Popen([exe, f"--query-gpu={query}", "--format=csv,noheader,nounits",
-                                           f"-lms={self.interval_ms}"], stdout=subprocess.PIPE,
+                                           f"--loop-ms={self.interval_ms}"], stdout=subprocess.PIPE,
                                           stderr=subprocess.DEVNULL, text=True)
         return self
 

@@ -602,7 +602,7 @@ def test_gpu_clocks_sample_nvidia_smi_while_a_side_runs(tmp_path, monkeypatch):
 
     started = tmp_path / "started"
     fake = tmp_path / "nvidia-smi"
-    fake.write_text("#!/bin/sh\ncase \"$*\" in *-lms*) ;; *) echo '1980, 650, 55, 0x0'; exit 0;; esac\n"
+    fake.write_text("#!/bin/sh\ncase \"$*\" in *--loop-ms=*) ;; *) echo '1980, 650, 55, 0x0'; exit 0;; esac\n"
                     f"while true; do echo '1755, 700, 61, 0x4'; touch {started}; sleep 0.05; done\n")
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
