@@ -132,15 +132,11 @@ class _Fp8Linear(torch.autograd.Function):
             grad_x = torch._scaled_mm(gq, wq_t.t(), scale_a=g_inv, scale_b=w_inv, out_dtype=ctx.dtype)
             grad_x = grad_x.view(*ctx.lead, weight.shape[1])
         if need_w:  # [V, tokens] x [tokens, hidden]: g^T's rows, x^T's rows as the second operand's columns
-            fused = ctx.fuse_main_grad and hasattr(weight, "main_grad")
-            if fused and wgrad.accumulate_fp8(xq_t, x_inv, gq_t, g_inv, weight.main_grad):
+            if ctx.fuse_main_grad and hasattr(weight, "main_grad"):
+                wgrad.accumulate_fp8(xq_t, x_inv, gq_t, g_inv, weight.main_grad)
                 grad_w = _dummy_wgrad(weight, ctx.dtype)
             else:
-                grad_w = torch._scaled_mm(gq_t, xq_t.t(), scale_a=g_inv, scale_b=x_inv,
-                                          out_dtype=torch.float32 if fused else weight.dtype)
-                if fused:
-                    weight.main_grad.add_(grad_w)
-                    grad_w = _dummy_wgrad(weight, ctx.dtype)
+                grad_w = torch._scaled_mm(gq_t, xq_t.t(), scale_a=g_inv, scale_b=x_inv, out_dtype=weight.dtype)
         return grad_x, grad_w, None
 
 

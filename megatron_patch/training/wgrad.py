@@ -74,19 +74,19 @@ def _fp8_columnwise(q_t: torch.Tensor, scale_inv: torch.Tensor):
 def accumulate_fp8(x_t: torch.Tensor, x_inv: torch.Tensor, dy_t: torch.Tensor, dy_inv: torch.Tensor,
                    main_grad: torch.Tensor) -> bool:
     """main_grad [out, in] += dy [N, out]ᵀ · x [N, in] for FP8 operands given transposed (`dy_t` [out, N],
-    `x_t` [in, N], each with its fp32 scale inverse), inside Transformer Engine's cuBLAS GEMM (fp32 output, beta = 1,
-    partial sums promoted to fp32 at intervals: TE's own weight-gradient GEMM for its FP8 layers), so no
-    [out, in] fp32 temporary is written and read back. False where that GEMM does not take it (no Transformer
-    Engine, or main_grad not a contiguous fp32 CUDA tensor): the caller computes the product itself."""
-    if not (main_grad.is_cuda and main_grad.dtype == torch.float32 and main_grad.is_contiguous()):
-        return False
-    gemm = _te_general_gemm()
-    x, dy = _fp8_columnwise(x_t, x_inv), _fp8_columnwise(dy_t, dy_inv)
-    if gemm is None or x is None:
-        return False
-    gemm(x, dy, out_dtype=torch.float32, accumulate=True, layout="NT", out=main_grad, grad=True,
-         use_split_accumulator=True)
-    return True
+    `x_t` [in, N], each with its fp32 scale inverse). On a GPU inside Transformer Engine's cuBLAS GEMM (fp32 output,
+    beta = 1, partial sums promoted to fp32 at intervals: TE's own weight-gradient GEMM for its FP8 layers), so no
+    [out, in] fp32 temporary is written and read back; elsewhere (no Transformer Engine, or main_grad not a
+    contiguous fp32 CUDA tensor) `torch._scaled_mm` to fp32 and an add. Returns whether TE's GEMM took it."""
+    if main_grad.is_cuda and main_grad.dtype == torch.float32 and main_grad.is_contiguous():
+        gemm = _te_general_gemm()
+        x, dy = _fp8_columnwise(x_t, x_inv), _fp8_columnwise(dy_t, dy_inv)
+        if gemm is not None and x is not None:
+            gemm(x, dy, out_dtype=torch.float32, accumulate=True, layout="NT", out=main_grad, grad=True,
+                 use_split_accumulator=True)
+            return True
+    main_grad.add_(torch._scaled_mm(dy_t, x_t.t(), scale_a=dy_inv, scale_b=x_inv, out_dtype=torch.float32))
+    return False
 
 
 class WgradAccumulation:

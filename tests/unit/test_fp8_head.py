@@ -149,8 +149,11 @@ def test_the_weight_gradient_goes_to_main_grad_with_megatron_core_s_dummy(tied):
     gq, g_inv, _ = quantize(grad_y.reshape(-1, 96), E5M2)
     _close(w.main_grad - start, _deq(gq, g_inv).t() @ _deq(xq, x_inv), torch.float32, 32)
     assert w.grad_added_to_main_grad is True and w.grad.shape == (96, 64)
-    # Transformer Engine's in-GEMM accumulation declines a CPU main_grad (the GPU test checks it): the torch path
-    assert not wgrad.accumulate_fp8(xq.t().contiguous(), x_inv, gq.t().contiguous(), g_inv, start.clone())
+    # Transformer Engine's in-GEMM accumulation declines a CPU main_grad (the GPU test checks it): the torch path,
+    # the same sum as the layer's backward
+    direct = start.clone()
+    assert not wgrad.accumulate_fp8(xq.t().contiguous(), x_inv, gq.t().contiguous(), g_inv, direct)
+    assert torch.equal(direct, w.main_grad)
     if tied:
         assert not w.grad.any()
     w2 = w.detach().clone().requires_grad_()
