@@ -20,9 +20,13 @@ HBM_TB_S = (("H200", 4.8), ("H100 NVL", 3.9), ("H100 PCIe", 2.0), ("H100", 3.35)
 DEFAULT_TB_S = 4.8  # the H200 most rows of docs/benchmarks.md were measured on
 # nvidia-smi's fields sampled while a side runs; the clock-event reasons' bits (NVML's nvmlClocksEventReason*):
 # idle samples are left out, the others counted per reason that lowers the SM clock
-CLOCK_QUERY = "clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active"
+CLOCK_QUERY = "clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active,utilization.gpu"
 OLD_CLOCK_QUERY = CLOCK_QUERY.replace("clocks_event_reasons", "clocks_throttle_reasons")  # drivers before 535
 IDLE = 0x1
+# a sample counts as the side's work where a kernel ran for at least this share of nvidia-smi's last sample
+# period: a process holding the GPU clears the idle bit while it builds the model, loads or compiles, at full clock
+# and a fifth of the power (2026-12-06: medians of 127-150 W for our rows, 690 W for HF's, before this)
+BUSY_PERCENT = 50
 SLOWDOWNS = (("power cap", 0x4), ("hw slowdown", 0x8), ("sw thermal", 0x20), ("hw thermal", 0x40),
              ("power brake", 0x80))
 
@@ -77,17 +81,19 @@ def bandwidth_tb_s(given: float | None, on_gpu: bool = True) -> float:
 
 def summarise_clocks(text: str) -> dict | None:
     """From nvidia-smi's CSV samples (`CLOCK_QUERY`, no header, no units; every GPU's line per sample) of a side's
-    run: over the samples of a busy GPU (the idle-reason bit clear: model build and start-up left out), the median
-    and lowest SM clock (MHz), the median power draw (W), the highest temperature (°C) and, per reason that slows
-    the clock (`SLOWDOWNS`), the share of samples it was active in. None without a busy sample."""
+    run: over the samples of a busy GPU (the idle-reason bit clear and at least `BUSY_PERCENT` utilization: model
+    build, loading and compiling left out), the median and lowest SM clock (MHz), the median power draw (W), the
+    highest temperature (°C) and, per reason that slows the clock (`SLOWDOWNS`), the share of samples it was active
+    in. None without a busy sample."""
     busy = []
     for line in text.splitlines():
         fields = [f.strip() for f in line.split(",")]
         try:
             mhz, watts, temp, reasons = float(fields[0]), float(fields[1]), float(fields[2]), int(fields[3], 16)
+            utilization = float(fields[4])
         except (ValueError, IndexError):  # "[N/A]", a cut last line
             continue
-        if not reasons & IDLE:
+        if not reasons & IDLE and utilization >= BUSY_PERCENT:
             busy.append((mhz, watts, temp, reasons))
     if not busy:
         return None

@@ -580,15 +580,18 @@ def test_the_tied_1b_shape_and_the_fp8_head_rows():
 
 def test_gpu_clocks_are_summarised_over_the_busy_samples():
     """The GPUs' clocks while a side ran (issue 28: on 2026-12-06 our fp8 row at 1B measured 1.04-1.22 s a step
-    on one H100 within 20 minutes, HF's and torchtitan's within 0.3%): idle samples and unreadable lines left out,
+    on one H100 within 20 minutes, HF's and torchtitan's within 0.3%): idle samples, samples of a GPU held but not
+    computing (under BUSY_PERCENT utilization) and unreadable lines left out,
     the median and lowest SM clock, median power, hottest reading and each slowdown reason's share of the samples."""
     from machine import summarise_clocks
 
-    text = "\n".join(["210, 70.1, 35, 0x0000000000000001",   # idle: the model still being built
-                      "1980, 650.0, 55, 0x0000000000000000",
-                      "1755, 700.2, 61, 0x0000000000000004",  # power cap
-                      "1650, 699.8, 66, 0x0000000000000024",  # power cap and software thermal slowdown
-                      "[N/A], [N/A], 60, [N/A]", "1700, 69"])  # a field not read, a line cut by the stop
+    text = "\n".join(["210, 70.1, 35, 0x0000000000000001, 0",   # idle: nothing on the GPU yet
+                      # the process holds the GPU (no idle bit) but runs no kernel: checkpoint load, compiling
+                      "1980, 127.0, 40, 0x0000000000000000, 0",
+                      "1980, 650.0, 55, 0x0000000000000000, 100",
+                      "1755, 700.2, 61, 0x0000000000000004, 98",  # power cap
+                      "1650, 699.8, 66, 0x0000000000000024, 100",  # power cap and software thermal slowdown
+                      "[N/A], [N/A], 60, [N/A], 100", "1700, 69"])  # a field not read, a line cut by the stop
     assert summarise_clocks(text) == {"sm_mhz": 1755, "sm_mhz_min": 1650, "power_w": 700, "temp_c_max": 66,
                                       "samples": 3, "slowed": {"power cap": 0.67, "sw thermal": 0.33}}
     assert summarise_clocks("210, 70.1, 35, 0x1\n") is None and summarise_clocks("") is None
@@ -603,7 +606,7 @@ def test_gpu_clocks_sample_nvidia_smi_while_a_side_runs(tmp_path, monkeypatch):
     started = tmp_path / "started"
     fake = tmp_path / "nvidia-smi"
     fake.write_text("#!/bin/sh\ncase \"$*\" in *--loop-ms=*) ;; *) echo '1980, 650, 55, 0x0'; exit 0;; esac\n"
-                    f"while true; do echo '1755, 700, 61, 0x4'; touch {started}; sleep 0.05; done\n")
+                    f"while true; do echo '1755, 700, 61, 0x4, 99'; touch {started}; sleep 0.05; done\n")
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     with GpuClocks() as clocks:
