@@ -7,16 +7,17 @@
 #                                        # on both engines, 5 iterations bf16 and fp8, a LoRA run, PPO and GRPO steps,
 #                                        # evaluate and an lm-eval run, HybridModel under TE (~4 min on one H200 on
 #                                        # 2026-12-05 morning; ~10 min by its evening, MLA and MoE graph tests added;
-#                                        # past one call's 600 s on 2026-12-06: run it as the three parts below).
+#                                        # past one call's 600 s on 2026-12-06: run it as two calls, smoke-gen and smoke-train).
 #                                        # Any change to code on a GPU path runs it before it lands.
-#   bash tests/gpu/run_suite.sh smoke-gen    # the smoke in three calls: its generation tests (test_generate_te.py,
+#   bash tests/gpu/run_suite.sh smoke-gen    # the smoke in parts: its generation tests (test_generate_te.py,
 #                                            # ~100 s on one H100 on 2026-12-06),
 #   bash tests/gpu/run_suite.sh smoke-levers # the training-lever test (~320 s: one 5-step run per lever),
 #   bash tests/gpu/run_suite.sh smoke-other  # and the others (~5 min; with the lever test they passed 600 s)
 #   bash tests/gpu/run_suite.sh smoke-train  # smoke-levers and smoke-other in one call: since 2026-12-06 (twenty-
 #                                            # ninth session) a test's tiny training runs go TRAIN_WORKERS (3) at a
-#                                            # time (their time is their start-up), which should bring both under
-#                                            # 600 s; not yet measured (TRAIN_WORKERS=1: one by one, as before)
+#                                            # time (their time is their start-up): the lever test 101 s (was 316);
+#                                            # 18 of the part's 21 tests in a 330 s call, the other 3 ~60 s
+#                                            # (thirtieth session); TRAIN_WORKERS=1: one by one
 #   bash tests/gpu/run_suite.sh quick    # every GPU test but the two proofs (~5 min; NCCL / MoE tests need 2 GPUs)
 #   bash tests/gpu/run_suite.sh rest     # quick without the smoke tests: after `smoke`, the rest of quick
 #   bash tests/gpu/run_suite.sh proofs   # the training proof and the RLHF proof: more than one call's 10 minutes
