@@ -424,7 +424,7 @@ def main(argv: list[str] | None = None) -> dict:
     from megatron_patch.inference import dynamic
 
     info = versions()
-    print(json.dumps(info), flush=True)
+    print(json.dumps({**info, "machine": machine(), "code": code_hash()}), flush=True)  # which card, which code
     timer = Timer(a.device, a.repeat)
     settings = {k: v for k, v in vars(a).items() if k not in ("results", "out", "prompts")}
     kept = ResultsFile(a.results, {"machine": machine(), "code": code_hash(), "versions": {

@@ -515,7 +515,7 @@ def main() -> None:
                     print(shlex.join(titan_peer.command(SHAPES[shape], VOCAB, name, a.iters, a.micro_batches)))
             return
         meta = versions()
-        print(json.dumps(meta), flush=True)
+        print(json.dumps({**meta, "machine": machine(), "code": code_hash()}), flush=True)  # which card, which code
         kept = ResultsFile(a.results, {"machine": machine(), "code": code_hash(), "versions": {
             k: v for k, v in meta.items() if k != "date"}, "settings": {
             "iters": a.iters, "micro_batches": a.micro_batches, "gpus": a.gpus, "losses": a.losses}})
