@@ -424,10 +424,11 @@ def main(argv: list[str] | None = None) -> dict:
     from megatron_patch.inference import dynamic
 
     info = versions()
-    print(json.dumps({**info, "machine": machine(), "code": code_hash()}), flush=True)  # which card, which code
+    where = {"machine": machine(), "code": code_hash()}  # which card, which code
+    print(json.dumps({**info, **where}), flush=True)
     timer = Timer(a.device, a.repeat)
     settings = {k: v for k, v in vars(a).items() if k not in ("results", "out", "prompts")}
-    kept = ResultsFile(a.results, {"machine": machine(), "code": code_hash(), "versions": {
+    kept = ResultsFile(a.results, {**where, "versions": {
         k: v for k, v in info.items() if k != "date"}, "settings": settings,
         "prompts": hashlib.sha256(json.dumps(prompts[:max(a.requests)]).encode()).hexdigest()[:16]})
     rows = []

@@ -515,8 +515,9 @@ def main() -> None:
                     print(shlex.join(titan_peer.command(SHAPES[shape], VOCAB, name, a.iters, a.micro_batches)))
             return
         meta = versions()
-        print(json.dumps({**meta, "machine": machine(), "code": code_hash()}), flush=True)  # which card, which code
-        kept = ResultsFile(a.results, {"machine": machine(), "code": code_hash(), "versions": {
+        where = {"machine": machine(), "code": code_hash()}  # which card, which code
+        print(json.dumps({**meta, **where}), flush=True)
+        kept = ResultsFile(a.results, {**where, "versions": {
             k: v for k, v in meta.items() if k != "date"}, "settings": {
             "iters": a.iters, "micro_batches": a.micro_batches, "gpus": a.gpus, "losses": a.losses}})
 
