@@ -44,17 +44,17 @@ ASYNC_SCHEDULING: bool | None = None
 # Batch-1 decode's linear layers as one Triton GEMV kernel each, norms folded in (the `decode_gemv` patch,
 # `inference/gemv.py`), instead of cuBLAS's GEMM kernels and TE's norm kernel. Steps of `gemv.SERVED_ROWS` (one)
 # tokens only, bf16 / fp16, TP = 1, no FP8. None: on where there is a GPU; True / False: on / off (off on a CPU).
-# Off by default for now: on 2026-12-03 (8B, CUDA graphs, async, sampling without the sync) the GEMV and the
-# split-KV attention together took one request's step from 5.99 to 5.54 ms (5.05 with DECODE_ROPE), but 32
-# requests' from 6.54 to 6.62 ms (the attention alone; the GEMV serves one-row steps only): measured again
-# (on / attn / off) before they become the default.
-DECODE_GEMV: bool | None = False
+# On by default since 2026-12-06 (one H100, 8B, CUDA graphs, async, `engine_probe.py --gemv on attn gemv off
+# --repeat 5`): one request 7.37 ms a step with neither kernel, 6.72 with the GEMV, 6.42 with the GEMV and the
+# split-KV attention; 8 and 32 requests within 0.9% in every setting; 1B one request 2.03 -> 1.45 ms.
+# (On an H200 on 2026-12-03 the spread between runs was the size of the effect: re-measured there next.)
+DECODE_GEMV: bool | None = None
 # Decode-only steps' attention on our split-KV Triton kernels (the `split_kv_decode_attention` patch,
 # `inference/decode_attention.py`) instead of FlashAttention-4, which cannot split the key length on Hopper.
-# None: on where there is a GPU; True / False: on / off (off on a CPU). It pays at 8B with 1 and 32 requests
-# (6.96 -> 6.67, 7.74 -> 7.53 ms a step on 2026-12-03's eighth / ninth sessions; 6.54 -> 6.62 at 32 in
-# the tenth, with the GEMV switch: see DECODE_GEMV); off by default until it pays at every request count.
-DECODE_ATTENTION: bool | None = False
+# None: on where there is a GPU; True / False: on / off (off on a CPU). On by default since 2026-12-06 (see
+# DECODE_GEMV: 8B one request 7.37 -> 7.05 ms a step alone, 6.72 -> 6.42 beside the GEMV; FA4 17.8 us a layer,
+# ours 7.3 us in its two kernels; 32 requests 7.99 / 8.01 ms off / on).
+DECODE_ATTENTION: bool | None = None
 # The engine's rotary embedding in one Triton kernel each for queries and keys (the `fused_decode_rope` patch,
 # `inference/decode_rope.py`), rotating in place at each token's position, instead of an index kernel for the
 # angles, TE's fused RoPE and a copy of the queries back: three kernels fewer a layer. None: on where there is a

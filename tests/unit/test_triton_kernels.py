@@ -90,6 +90,16 @@ def test_decode_gemv_needs_a_gpu(monkeypatch):
     assert not plan.covers(dynamic.EnginePlan(1, False, 64, 64, 0.1, True, True, False, False, False, True))
 
 
+def test_decode_kernels_are_on_by_default_on_a_gpu(monkeypatch):
+    """The GEMV, the split-KV attention and the RoPE kernel are the defaults where there is a GPU (one H100,
+    2026-12-06, 8B at one request: 7.37 -> 6.42 ms a step with the GEMV and the attention, 8 and 32 requests within
+    0.9%; docs/benchmarks.md), and off without one."""
+    assert dynamic.DECODE_GEMV is None and dynamic.DECODE_ATTENTION is None and dynamic.DECODE_ROPE is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert dynamic.wanted(dynamic.DECODE_GEMV) and dynamic.wanted(dynamic.DECODE_ATTENTION)
+    assert dynamic.wanted(dynamic.DECODE_ROPE) and not dynamic.wanted(False)
+
+
 def test_gemv_serves_only_decode_sized_plain_calls_outside_fp8():
     """The GEMV's eligibility check: the FP8 state is looked up once (a call handed in), and a call outside what
     the kernel serves (autograd, too many tokens, FP8 autocast, TP > 1) keeps the original forward."""
