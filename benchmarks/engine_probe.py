@@ -243,7 +243,7 @@ def profile(a, model, prompts, graphs: bool, sched: str = "legacy") -> dict:
             del engine.step_modern
     engine_steps, functions = host_functions(a, model, prompts, graphs, engine)
     dynamic.release_engine()
-    kernels, ops = _events(path)
+    kernels, ops = _events(path, steps=True)  # the kernels of the --profile-steps steps, not the next one's
     kernels = [k for k in kernels if k.get("dur", 0) > 0]
     with open(path) as f:
         steps = [e["dur"] for e in json.load(f)["traceEvents"] if str(e.get("name", "")).startswith("ProfilerStep#")]

@@ -35,14 +35,17 @@ CATEGORIES = (
 )
 
 
-def _events(path: str) -> tuple[list[dict], dict[int, str]]:
+def _events(path: str, steps: bool = False) -> tuple[list[dict], dict[int, str]]:
     """The trace's GPU kernel (and copy) events, and the host operators by their "External id" (the id a kernel
-    carries of the operator that launched it) as `name [input dims]` where the trace recorded shapes."""
+    carries of the operator that launched it) as `name [input dims]` where the trace recorded shapes. `steps`: only
+    the kernels launched inside the host's `ProfilerStep#` ranges (the runtime call, a kernel launch or a CUDA
+    graph's, that carries the kernel's "correlation" id starts inside one), so that per-step figures divide the
+    work of exactly the steps traced; a trace without step markers (or correlation ids) keeps every kernel."""
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
         trace = json.load(f)
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    kernels, ops = [], {}
+    kernels, ops, ranges, launches = [], {}, [], {}
     for e in events:
         if e.get("ph") != "X":
             continue
@@ -52,6 +55,16 @@ def _events(path: str) -> tuple[list[dict], dict[int, str]]:
         elif cat == "cpu_op" and "External id" in args:
             dims = [d for d in args.get("Input Dims", []) if d]
             ops[args["External id"]] = e.get("name", "") + (f" {dims}" if dims else "")
+        elif cat in ("cuda_runtime", "cuda_driver") and "correlation" in args:
+            launches[args["correlation"]] = e["ts"]
+        elif not cat.startswith("gpu") and str(e.get("name", "")).startswith("ProfilerStep#"):
+            ranges.append((e["ts"], e["ts"] + e["dur"]))
+    if steps and ranges:
+        def inside(k: dict) -> bool:
+            ts = launches.get((k.get("args") or {}).get("correlation"))
+            return ts is not None and any(begin <= ts <= end for begin, end in ranges)
+
+        kernels = [k for k in kernels if inside(k)] or kernels  # (no correlation ids: every kernel)
     return kernels, ops
 
 

@@ -97,6 +97,33 @@ def test_trace_summary_names_the_operators_that_launched_the_kernels(tmp_path):
     assert cats["gemm"]["ops"] == [["aten::mm", 0.095, 1]]
 
 
+def test_trace_summary_counts_the_kernels_launched_in_the_traced_steps(tmp_path):
+    """engine_probe's per-step figures divide by the steps traced: the kernels counted are those whose launch (the
+    runtime call with the kernel's correlation id) lies inside a `ProfilerStep#` range, not every kernel the
+    window holds (under asynchronous scheduling the trace also caught the next step's forward: 6.94 steps' kernels
+    for 6 steps traced, 2026-12-06). A trace without step markers keeps every kernel."""
+    from trace_summary import _events
+
+    def launch(ts, corr, name="cudaLaunchKernel"):
+        return {"ph": "X", "cat": "cuda_runtime", "name": name, "ts": ts, "dur": 2, "args": {"correlation": corr}}
+
+    def kernel(ts, corr):
+        return {"ph": "X", "cat": "kernel", "name": "gemv_kernel", "ts": ts, "dur": 5, "args": {"correlation": corr}}
+
+    events = [{"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#3", "ts": 100, "dur": 100},
+              {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#4", "ts": 200, "dur": 100},
+              {"ph": "X", "cat": "gpu_user_annotation", "name": "ProfilerStep#4", "ts": 0, "dur": 900},
+              launch(50, 1), launch(120, 2), launch(250, 3, "cudaGraphLaunch"), launch(310, 4),
+              kernel(60, 1), kernel(130, 2), kernel(300, 3), kernel(310, 3), kernel(400, 4)]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    assert [k["ts"] for k in _events(str(path), steps=True)[0]] == [130, 300, 310]  # a graph's kernels share one
+    assert len(_events(str(path))[0]) == 5
+    unmarked = tmp_path / "unmarked.json"
+    unmarked.write_text(json.dumps({"traceEvents": events[3:]}))
+    assert len(_events(str(unmarked), steps=True)[0]) == 5
+
+
 def test_trace_summary_tells_torch_elementwise_kernels_from_casts():
     """PyTorch's elementwise kernels are named `...gpu_kernel_impl_nocast<...>`: not FP8 casts (the 2026-12-02
     8B trace put unfused SwiGLU under "fp8 cast" that way, in bf16 too)."""
