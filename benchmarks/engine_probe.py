@@ -243,10 +243,9 @@ def profile(a, model, prompts, graphs: bool, sched: str = "legacy") -> dict:
             del engine.step_modern
     engine_steps, functions = host_functions(a, model, prompts, graphs, engine)
     dynamic.release_engine()
-    kernels, ops = _events(path, steps=True)  # the kernels of the --profile-steps steps, not the next one's
+    kernels, ops, ranges = _events(path, steps=True)  # the kernels of the --profile-steps steps, not the next one's
     kernels = [k for k in kernels if k.get("dur", 0) > 0]
-    with open(path) as f:
-        steps = [e["dur"] for e in json.load(f)["traceEvents"] if str(e.get("name", "")).startswith("ProfilerStep#")]
+    steps = [end - begin for begin, end in ranges]
     with open(path, "rb") as f, gzip.open(path + ".gz", "wb") as z:  # (perfetto / chrome://tracing read it)
         shutil.copyfileobj(f, z)
     os.remove(path)

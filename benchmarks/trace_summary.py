@@ -35,9 +35,10 @@ CATEGORIES = (
 )
 
 
-def _events(path: str, steps: bool = False) -> tuple[list[dict], dict[int, str]]:
+def _events(path: str, steps: bool = False) -> tuple[list[dict], dict[int, str], list[tuple[float, float]]]:
     """The trace's GPU kernel (and copy) events, and the host operators by their "External id" (the id a kernel
-    carries of the operator that launched it) as `name [input dims]` where the trace recorded shapes. `steps`: only
+    carries of the operator that launched it) as `name [input dims]` where the trace recorded shapes, and the
+    host's `ProfilerStep#` ranges as (start, end) in microseconds. `steps`: only
     the kernels launched inside the host's `ProfilerStep#` ranges (the runtime call, a kernel launch or a CUDA
     graph's, that carries the kernel's "correlation" id starts inside one), so that per-step figures divide the
     work of exactly the steps traced; a trace without step markers (or correlation ids) keeps every kernel."""
@@ -65,7 +66,7 @@ def _events(path: str, steps: bool = False) -> tuple[list[dict], dict[int, str]]
             return ts is not None and any(begin <= ts <= end for begin, end in ranges)
 
         kernels = [k for k in kernels if inside(k)] or kernels  # (no correlation ids: every kernel)
-    return kernels, ops
+    return kernels, ops, ranges
 
 
 def category(name: str) -> str:
@@ -124,7 +125,8 @@ def summarise_folder(path: str) -> dict:
         if n.endswith((".json", ".json.gz"))]
     if not files:
         raise ValueError(f"no trace (.json / .json.gz) under {path}")
-    return summarise(*_events(max(files, key=os.path.getsize)))
+    kernels, ops, _ = _events(max(files, key=os.path.getsize))
+    return summarise(kernels, ops)
 
 
 if __name__ == "__main__":

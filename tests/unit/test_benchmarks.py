@@ -119,6 +119,7 @@ def test_trace_summary_counts_the_kernels_launched_in_the_traced_steps(tmp_path)
     path.write_text(json.dumps({"traceEvents": events}))
     assert [k["ts"] for k in _events(str(path), steps=True)[0]] == [130, 300, 310]  # a graph's kernels share one
     assert len(_events(str(path))[0]) == 5
+    assert _events(str(path))[2] == [(100, 200), (200, 300)]  # the host's steps (not the GPU's annotation)
     unmarked = tmp_path / "unmarked.json"
     unmarked.write_text(json.dumps({"traceEvents": events[3:]}))
     assert len(_events(str(unmarked), steps=True)[0]) == 5
