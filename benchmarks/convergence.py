@@ -224,7 +224,10 @@ def train_command(out: str, run: str, tokens: int, gpus: int, tokenizer: str, vo
         # the backstop, a minute later.
         stop += ["--exit-signal-handler", "--exit-duration-in-mins", str(minutes + 1)]
     ckpt = os.path.join(out, "ckpt", run)
-    moe = ["--expert-model-parallel-size", str(gpus), "--moe-grouped-gemm"] if model == "moe" else []
+    # Megatron's Mixtral recipe: grouped GEMM, the auxiliary load-balancing loss at 0.01 (megatron-core's default
+    # coefficient is 0: without it nothing keeps the router from sending most tokens to a few experts)
+    moe = ["--expert-model-parallel-size", str(gpus), "--moe-grouped-gemm", "--moe-router-load-balancing-type",
+           "aux_loss", "--moe-aux-loss-coeff", "1e-2"] if model == "moe" else []
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(gpus), "-m",
             "megatron_patch.pretrain", "--hf-config", config, "--data-path", os.path.join(out, "corpus_text_document"),
             "--split", HELD_OUT, "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", tokenizer,

@@ -190,6 +190,14 @@ def test_runs_use_the_same_seed_data_and_schedule(conv, tmp_path):
     # the noise-floor run differs from bf16 by its seed alone (Megatron's argparse takes the last --seed)
     seed2 = conv.train_command(str(tmp_path), "bf16-seed2", 20_000_000, 1, TINY_TOKENIZER, 1000, 100)
     assert seed2[-2:] == ["--seed", "4321"] and common(seed2)[:-2] == common(base)
+    # the Mixtral pair: the same schedule and flags, plus megatron's MoE recipe with the load-balancing loss (its
+    # default coefficient is 0); the fp8 runs differ from moe-bf16 by their precision flags only
+    moe = conv.train_command(str(tmp_path), "moe-bf16", 20_000_000, 1, TINY_TOKENIZER, 1000, 100)
+    assert moe[moe.index("--moe-aux-loss-coeff") + 1] == "1e-2" and "--moe-grouped-gemm" in moe
+    assert moe[moe.index("--moe-router-load-balancing-type") + 1] == "aux_loss"
+    head = conv.train_command(str(tmp_path), "moe-fp8-head", 20_000_000, 1, TINY_TOKENIZER, 1000, 100)
+    assert common(head) == common(moe) + ["--fp8-output-layer"]
+    assert json.load(open(tmp_path / "runs" / "moe-bf16.config.json"))["tie_word_embeddings"] is False
 
 
 def test_old_checkpoints_pruned_but_never_the_latest(conv, tmp_path):
