@@ -165,8 +165,9 @@ class Bridge:
 
     def save_hf(self, model, out: str, *, dtype: torch.dtype | None = None, overwrite: bool = False,
                 max_shard_size: int = 5 * 10**9) -> dict | None:
-        """The live model as an HF folder (rank 0 writes; every rank calls), with the tokenizer files of the
-        bridge's HF folder; as `mcore-to-hf` writes one. Rank 0 returns the summary, the others None."""
+        """The live model as an HF folder (rank 0 writes; a collective: every rank calls it, returns once the
+        folder is complete and raises what rank 0 refused), with the tokenizer files of the bridge's HF
+        folder; as `mcore-to-hf` writes one. Rank 0 returns the summary, the others None."""
         from megatron_patch.conversion.live import save_hf
 
         side = self.hf_dir if self.hf_dir and os.path.isdir(self.hf_dir) else None

@@ -297,14 +297,27 @@ def export_hf_weights(model, hf_config: Any, *, dtype: torch.dtype | None = None
 def save_hf(model, hf_config: dict, out: str, *, dtype: torch.dtype | None = None, side_dir: str | None = None,
             overwrite: bool = False, max_shard_size: int = 5 * 10**9) -> dict | None:
     """The live model as an HF folder, written by rank 0 (atomically, NaN / Inf refused, config.json =
-    `hf_config` stating the dtype, tokenizer files of `side_dir`); every rank calls it. Rank 0 returns the
-    summary, the others None."""
+    `hf_config` stating the dtype, tokenizer files of `side_dir`); a collective: every rank calls it and
+    returns once the folder is complete, and what rank 0 refuses (the folder exists, a non-finite tensor)
+    every rank raises. Rank 0 returns the summary, the others None."""
     from megatron_patch.conversion.convert import save_hf_stream
 
+    world = dist.is_initialized() and dist.get_world_size() > 1
     tensors = ((name, t.cpu()) for name, t in export_hf_weights(model, hf_config, dtype=dtype))
-    if dist.is_initialized() and dist.get_rank() != 0:
-        for _ in tensors:
-            pass
-        return None
-    return save_hf_stream(tensors, hf_config, out, side_dir=side_dir, overwrite=overwrite,
-                          max_shard_size=max_shard_size)
+    result, error = None, None
+    if not world or dist.get_rank() == 0:
+        try:
+            result = save_hf_stream(tensors, hf_config, out, side_dir=side_dir, overwrite=overwrite,
+                                    max_shard_size=max_shard_size)
+        except Exception as e:  # noqa: BLE001 - raised below on every rank
+            if not world:
+                raise
+            error = e
+    for _ in tensors:  # the export's gathers are collectives: every rank goes through all of them
+        pass
+    if world:
+        outcome = [error]
+        dist.broadcast_object_list(outcome, src=0)
+        if outcome[0] is not None:
+            raise outcome[0]
+    return result

@@ -70,7 +70,10 @@ def _checks(rank: int, root: str) -> dict:
             model = bridge.build(layout=Layout(tp=tp, pp=pp, ep=ep))
             out[(variant, tp, pp, ep)] = _round_trip(bridge, model, bridge.hf_dir)
             if (tp, pp, ep) == (2, 2, 1) and variant in ("gqa", "qwen2_moe"):
-                bridge.save_hf(model, os.path.join(root, f"saved-{variant}"))
+                saved = os.path.join(root, f"saved-{variant}")
+                bridge.save_hf(model, saved)
+                if variant == "gqa":
+                    out["save_collective"] = _save_is_collective(bridge, model, saved)
             if ep == 1 and (tp, pp) in ((1, 1), (2, 2)) and variant in ("gqa", "tied"):
                 out[("trained", variant, tp, pp)] = _one_step(bridge, model)
         if (tp, pp, ep) == (2, 2, 1) and compat.at_least("0.19"):
@@ -96,6 +99,24 @@ def _checks(rank: int, root: str) -> dict:
             if (tp, variant) == (2, "gqa"):
                 bridge.save_hf(chunks, os.path.join(root, "saved-vpp-gqa"))
     return out
+
+
+def _save_is_collective(bridge, model, saved: str) -> dict:
+    """What a rank sees once `save_hf` has returned: the folder complete (config.json names the dtype, the
+    weights there), and a save rank 0 refuses (the folder exists, no overwrite) raised on every rank, not
+    on rank 0 alone while the others go on (the ranks then leave the call together: a rank that exits while
+    rank 0 still writes took the 4-process docs example down with SIGABRT in gloo's teardown, CI 2026-12-06)."""
+    import json
+
+    done = {"config": os.path.exists(os.path.join(saved, "config.json"))
+            and "dtype" in json.load(open(os.path.join(saved, "config.json"))),
+            "weights": any(f.endswith(".safetensors") for f in os.listdir(saved))}
+    try:
+        bridge.save_hf(model, saved)
+        done["refused"] = None
+    except Exception as e:  # noqa: BLE001 - the error each rank sees
+        done["refused"] = str(e)
+    return done
 
 
 _IDS = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(5))
@@ -235,6 +256,14 @@ def test_save_hf_equals_the_converter(cpu_megatron, variant, tmp_path):
 
     with open(os.path.join(root, f"saved-{variant}", "config.json")) as f, open(tmp_path / "hf" / "config.json") as g:
         assert json.load(f) == json.load(g)
+
+
+def test_save_hf_is_collective(cpu_megatron):
+    """Every rank returns from `save_hf` with the folder complete, and rank 0's refusal is every rank's error."""
+    per_rank = _world()[1]
+    refusals = {r["save_collective"]["refused"] for r in per_rank}
+    assert len(refusals) == 1 and None not in refusals and "exists" in refusals.pop()
+    assert all(r["save_collective"]["config"] and r["save_collective"]["weights"] for r in per_rank)
 
 
 @pytest.mark.parametrize("variant", ["gqa", "tied"])
