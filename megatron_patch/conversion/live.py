@@ -301,23 +301,48 @@ def save_hf(model, hf_config: dict, out: str, *, dtype: torch.dtype | None = Non
     returns once the folder is complete, and what rank 0 refuses (the folder exists, a non-finite tensor)
     every rank raises. Rank 0 returns the summary, the others None."""
     from megatron_patch.conversion.convert import save_hf_stream
+    from megatron_patch.outputs import check_output
 
-    world = dist.is_initialized() and dist.get_world_size() > 1
-    tensors = ((name, t.cpu()) for name, t in export_hf_weights(model, hf_config, dtype=dtype))
-    result, error = None, None
-    if not world or dist.get_rank() == 0:
+    def stream():
+        return ((name, t.cpu()) for name, t in export_hf_weights(model, hf_config, dtype=dtype))
+
+    def save(tensors):
+        return save_hf_stream(tensors, hf_config, out, side_dir=side_dir, overwrite=overwrite,
+                              max_shard_size=max_shard_size)
+
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return save(stream())
+    rank0 = dist.get_rank() == 0
+    # a folder that must not be written is refused on every rank before the export's work
+    _on_rank0_raised_everywhere(lambda: check_output(out, overwrite) if rank0 else None)
+    tensors = stream()
+
+    def save_on_rank0():
         try:
-            result = save_hf_stream(tensors, hf_config, out, side_dir=side_dir, overwrite=overwrite,
-                                    max_shard_size=max_shard_size)
-        except Exception as e:  # noqa: BLE001 - raised below on every rank
-            if not world:
-                raise
-            error = e
-    for _ in tensors:  # the export's gathers are collectives: every rank goes through all of them
-        pass
-    if world:
-        outcome = [error]
-        dist.broadcast_object_list(outcome, src=0)
-        if outcome[0] is not None:
-            raise outcome[0]
-    return result
+            return save(tensors) if rank0 else None
+        finally:
+            for _ in tensors:  # the export's gathers are collectives: every rank goes through all of them
+                pass
+
+    return _on_rank0_raised_everywhere(save_on_rank0)
+
+
+def _on_rank0_raised_everywhere(step):
+    """`step()`'s value; what it raised on rank 0 (the only rank it does work on) is raised on every rank: rank 0
+    its own exception, the others the same type (a built-in one, else RuntimeError) and message."""
+    import builtins
+
+    value, error = None, None
+    try:
+        value = step()
+    except Exception as e:  # noqa: BLE001 - raised below on every rank
+        error = e
+    outcome = [None if error is None else (type(error).__name__, str(error))]
+    dist.broadcast_object_list(outcome, src=0)
+    if error is not None:
+        raise error
+    if outcome[0] is not None:
+        name, message = outcome[0]
+        kind = getattr(builtins, name, None)
+        raise (kind if isinstance(kind, type) and issubclass(kind, Exception) else RuntimeError)(message)
+    return value

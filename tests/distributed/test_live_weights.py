@@ -115,7 +115,7 @@ def _save_is_collective(bridge, model, saved: str) -> dict:
         bridge.save_hf(model, saved)
         done["refused"] = None
     except Exception as e:  # noqa: BLE001 - the error each rank sees
-        done["refused"] = str(e)
+        done["refused"] = (type(e).__name__, str(e))
     return done
 
 
@@ -259,10 +259,13 @@ def test_save_hf_equals_the_converter(cpu_megatron, variant, tmp_path):
 
 
 def test_save_hf_is_collective(cpu_megatron):
-    """Every rank returns from `save_hf` with the folder complete, and rank 0's refusal is every rank's error."""
+    """Every rank returns from `save_hf` with the folder complete, and rank 0's refusal is every rank's error
+    (refused before the export: the folder exists)."""
     per_rank = _world()[1]
     refusals = {r["save_collective"]["refused"] for r in per_rank}
-    assert len(refusals) == 1 and None not in refusals and "exists" in refusals.pop()
+    assert len(refusals) == 1 and None not in refusals  # one error, of one type, on every rank
+    kind, message = refusals.pop()
+    assert kind == "FileExistsError" and "exists" in message, (kind, message)
     assert all(r["save_collective"]["config"] and r["save_collective"]["weights"] for r in per_rank)
 
 
