@@ -33,6 +33,7 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -244,8 +245,6 @@ def prune_checkpoints(ckpt: str, keep: int) -> list[str]:
     """Remove all but the newest `keep` iter_* folders under `ckpt` (Megatron keeps every save: at 416M
     parameters ~5 GB each, a 600-iteration run saved every 50 would fill the GPU machine's disk), never the one
     latest_checkpointed_iteration.txt names. Returns what was removed."""
-    import shutil
-
     if not os.path.isdir(ckpt):
         return []
     saves = sorted(d for d in os.listdir(ckpt) if d.startswith("iter_") and d[5:].isdigit())
@@ -285,7 +284,6 @@ def parse_log(text: str) -> dict:
 def report_run(out: str, run: str, log_text: str) -> dict:
     """`write_run` from the run's log so far (`log_text`); on the GPU machine ($OUT set) the run's JSON, log and
     config are copied to $OUT/runs as well, so a call cut by its time limit still brings back what was measured."""
-    import shutil
 
     runs = os.path.join(out, "runs")
     report = write_run(out, run, log_text)
@@ -337,6 +335,10 @@ def spikes(values: list[float], window: int = 20, factor: float = 1.3) -> list[i
 UNPAIRED_EVALUATIONS = 5
 
 
+# each model's BF16 run, against which its other runs are read
+BASELINE = {"400m": "bf16", "1b": "1b-bf16", "moe": "moe-bf16"}
+
+
 def paired(name: str) -> bool:
     """Whether run `name` reads the same held-out batches at each evaluation as the BF16 run (the same seed)."""
     return "--seed" not in RUNS.get(name, ("", []))[1]
@@ -350,7 +352,7 @@ def summary(runs: dict[str, dict]) -> list[dict]:
     rows = []
     for name, r in sorted(runs.items()):
         held = r["held_out"][-1]["loss"] if r["held_out"] else None
-        base_name = {"400m": "bf16", "1b": "1b-bf16", "moe": "moe-bf16"}.get(r.get("model"), "bf16")
+        base_name = BASELINE.get(r.get("model"), "bf16")
         base = runs.get(base_name)
         if base is not None and None not in (r.get("corpus_sha256"), base.get("corpus_sha256")) \
                 and r["corpus_sha256"] != base["corpus_sha256"]:
@@ -402,33 +404,39 @@ def plot(runs: dict[str, dict], figures: str) -> list[str]:
         plt.close(fig)
         written.append(path)
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for name, r in sorted(runs.items()):
-        a.plot([row["tokens"] / 1e6 for row in r["train"]], smooth([row["loss"] for row in r["train"]]), label=name)
-        b.plot([row["tokens"] / 1e6 for row in r["held_out"]], [row["loss"] for row in r["held_out"]], "o-",
-               label=name, markersize=3)
-    for ax, title in ((a, "training loss (20-iteration mean)"), (b, "held-out loss")):
-        ax.set(xlabel="tokens (millions)", ylabel="loss", title=title)
+    models = sorted({r.get("model", "400m") for r in runs.values()}, key=lambda m: (m != "400m", m))
+    for model in models:  # each model's runs in figures of their own (the 416M study's without a suffix)
+        group = {name: r for name, r in sorted(runs.items()) if r.get("model", "400m") == model}
+        suffix = "" if model == "400m" else f"_{model}"
+        fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+        for name, r in group.items():
+            a.plot([row["tokens"] / 1e6 for row in r["train"]], smooth([row["loss"] for row in r["train"]]),
+                   label=name)
+            b.plot([row["tokens"] / 1e6 for row in r["held_out"]], [row["loss"] for row in r["held_out"]], "o-",
+                   label=name, markersize=3)
+        for ax, title in ((a, "training loss (20-iteration mean)"), (b, "held-out loss")):
+            ax.set(xlabel="tokens (millions)", ylabel="loss", title=f"{model}: {title}")
+            ax.legend(fontsize=8)
+            ax.grid(alpha=0.3)
+        save(fig, f"loss_vs_tokens{suffix}.png")
+
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        base_name = BASELINE.get(model, "bf16")
+        base = runs.get(base_name)
+        for name, r in group.items():
+            if base is None or base is r:
+                continue
+            ref = {row["iteration"]: v for row, v in zip(base["train"], smooth([x["loss"] for x in base["train"]]))}
+            mine = zip(r["train"], smooth([x["loss"] for x in r["train"]]))
+            pts = [(row["tokens"] / 1e6, v - ref[row["iteration"]]) for row, v in mine if row["iteration"] in ref]
+            if pts:
+                ax.plot(*zip(*pts), label=f"{name} - {base_name}")
+        ax.axhline(0, color="black", linewidth=0.8)
+        ax.set(xlabel="tokens (millions)", ylabel="loss difference",
+               title=f"{model}: each run - BF16 (training loss, 20-it. mean)")
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
-    save(fig, "loss_vs_tokens.png")
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, r in sorted(runs.items()):
-        base_name = {"400m": "bf16", "1b": "1b-bf16", "moe": "moe-bf16"}.get(r.get("model"), "bf16")
-        base = runs.get(base_name)
-        if base is None or base is r:
-            continue
-        ref = {row["iteration"]: v for row, v in zip(base["train"], smooth([x["loss"] for x in base["train"]]))}
-        mine = zip(r["train"], smooth([x["loss"] for x in r["train"]]))
-        pts = [(row["tokens"] / 1e6, v - ref[row["iteration"]]) for row, v in mine if row["iteration"] in ref]
-        if pts:
-            ax.plot(*zip(*pts), label=f"{name} - {base_name}")
-    ax.axhline(0, color="black", linewidth=0.8)
-    ax.set(xlabel="tokens (millions)", ylabel="loss difference", title="each run - BF16 (training loss, 20-it. mean)")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    save(fig, "fp8_minus_bf16.png")
+        save(fig, f"fp8_minus_bf16{suffix}.png")
 
     rows = [row for row in summary(runs) if row["tokens_per_s"]]
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -464,6 +472,9 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--gpus", type=int, default=1)
     t.add_argument("--save-every", type=int, default=100, help="iterations between checkpoints")
     t.add_argument("--keep-checkpoints", type=int, default=2, help="newest checkpoints kept on disk")
+    t.add_argument("--keep-final-checkpoint", action="store_true",
+                   help="keep the checkpoints of a run that has trained its whole length (removed by default: "
+                        "the study reads the JSON and log; a Mixtral run's two saves are ~20 GB)")
     t.add_argument("--minutes", type=int, help="save and stop this call after so many minutes (continue later)")
     t.add_argument("--like", default=STUDY_CORPUS, help=like + "train on any corpus")
     p = sub.add_parser("plot", help="figures and summary from OUT/runs/*.json")
@@ -481,7 +492,6 @@ def main(argv: list[str] | None = None) -> int:
         report = build_corpus(a.out, a.tokenizer, a.min_tokens, a.workers, source_list)
         print(json.dumps({k: v for k, v in report.items() if k != "sources"} | {"sources": len(report["sources"])}))
         if os.environ.get("OUT"):  # on the GPU machine: the record of the corpus comes back with the call's files
-            import shutil
 
             shutil.copyfile(os.path.join(a.out, "corpus.json"), os.path.join(os.environ["OUT"], "corpus.json"))
         return 0
@@ -526,6 +536,12 @@ def main(argv: list[str] | None = None) -> int:
         prune_checkpoints(ckpt, a.keep_checkpoints)
         report = report_run(a.out, a.run, open(log_path).read())
         last = report["train"][-1] if report["train"] else {}
+        if rc == 0 and last.get("iteration") == iterations(a.tokens) and not a.keep_final_checkpoint \
+                and os.path.isdir(ckpt):
+            size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(ckpt) for f in files)
+            shutil.rmtree(ckpt)
+            print(f"{a.run}: trained its whole length: its checkpoints removed ({size / 1e9:.1f} GB; the run's JSON "
+                  f"and log stay; --keep-final-checkpoint keeps them)", flush=True)
         print(json.dumps({"run": a.run, "rc": rc, "iterations": last.get("iteration"), "tokens": last.get("tokens"),
                           "loss": last.get("loss"), "held_out": report["held_out"][-1:] or None}))
         return rc

@@ -353,3 +353,36 @@ def test_stop_workers_signals_the_children_only(conv):
     assert conv.stop_workers(parent.pid) == [child]
     assert parent.wait(timeout=30) == 15  # the child ended by SIGTERM; the parent was not signalled
 
+
+
+@pytest.mark.parametrize("tokens, keep, kept", [(2 * 65_536, False, False), (2 * 65_536, True, True),
+                                                (4 * 65_536, False, True)])
+def test_a_finished_run_leaves_no_checkpoints(conv, tmp_path, monkeypatch, tokens, keep, kept):
+    """A run that has trained its whole length needs its checkpoints no more (the study reads its JSON and log):
+    `train` removes them unless --keep-final-checkpoint (2026-12-06: three Mixtral runs' checkpoints, two of
+    ~10 GB each kept per run, filled the GPU machine's 64 GB disk and the third run's save failed). A run not
+    yet at its length keeps them, to continue from."""
+    import sys
+    import types
+
+    out = tmp_path / "conv"
+    (out / "runs").mkdir(parents=True)
+    (out / "corpus.json").write_text(json.dumps({"tokenizer": TINY_TOKENIZER}))
+    saved = out / "ckpt" / "bf16" / "iter_0000002"
+    saved.mkdir(parents=True)
+    (saved / "weights").write_bytes(b"\0" * 1000)
+    monkeypatch.delenv("OUT", raising=False)
+    monkeypatch.setitem(sys.modules, "train_bench", types.SimpleNamespace(run_env=lambda: {}))
+
+    class Proc:  # Megatron's process: two iterations logged, exit 0
+        def __init__(self, cmd, stdout, **kwargs):
+            stdout.write(LOG)
+            stdout.flush()
+
+        def wait(self, timeout=None):
+            return 0
+
+    monkeypatch.setattr(conv.subprocess, "Popen", Proc)
+    argv = ["train", str(out), "--run", "bf16", "--tokens", str(tokens), "--like", "none"]
+    assert conv.main(argv + (["--keep-final-checkpoint"] if keep else [])) == 0
+    assert saved.is_dir() == kept
