@@ -284,7 +284,6 @@ def parse_log(text: str) -> dict:
 def report_run(out: str, run: str, log_text: str) -> dict:
     """`write_run` from the run's log so far (`log_text`); on the GPU machine ($OUT set) the run's JSON, log and
     config are copied to $OUT/runs as well, so a call cut by its time limit still brings back what was measured."""
-
     runs = os.path.join(out, "runs")
     report = write_run(out, run, log_text)
     if os.environ.get("OUT"):
@@ -423,10 +422,11 @@ def plot(runs: dict[str, dict], figures: str) -> list[str]:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         base_name = BASELINE.get(model, "bf16")
         base = runs.get(base_name)
+        ref = {} if base is None else {row["iteration"]: v for row, v in
+                                       zip(base["train"], smooth([x["loss"] for x in base["train"]]))}
         for name, r in group.items():
             if base is None or base is r:
                 continue
-            ref = {row["iteration"]: v for row, v in zip(base["train"], smooth([x["loss"] for x in base["train"]]))}
             mine = zip(r["train"], smooth([x["loss"] for x in r["train"]]))
             pts = [(row["tokens"] / 1e6, v - ref[row["iteration"]]) for row, v in mine if row["iteration"] in ref]
             if pts:
@@ -492,7 +492,6 @@ def main(argv: list[str] | None = None) -> int:
         report = build_corpus(a.out, a.tokenizer, a.min_tokens, a.workers, source_list)
         print(json.dumps({k: v for k, v in report.items() if k != "sources"} | {"sources": len(report["sources"])}))
         if os.environ.get("OUT"):  # on the GPU machine: the record of the corpus comes back with the call's files
-
             shutil.copyfile(os.path.join(a.out, "corpus.json"), os.path.join(os.environ["OUT"], "corpus.json"))
         return 0
     if a.command == "train":

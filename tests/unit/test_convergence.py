@@ -354,7 +354,6 @@ def test_stop_workers_signals_the_children_only(conv):
     assert parent.wait(timeout=30) == 15  # the child ended by SIGTERM; the parent was not signalled
 
 
-
 @pytest.mark.parametrize("tokens, keep, kept", [(2 * 65_536, False, False), (2 * 65_536, True, True),
                                                 (4 * 65_536, False, True)])
 def test_a_finished_run_leaves_no_checkpoints(conv, tmp_path, monkeypatch, tokens, keep, kept):
