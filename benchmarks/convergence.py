@@ -69,7 +69,9 @@ RUNS: dict[str, tuple[str, list[str]]] = {
     "1b-bf16": ("1b", ["--precision", "bf16"]),
     "1b-fp8-delayed": ("1b", ["--precision", "fp8", "--fp8-recipe", "delayed"]),
     "moe-bf16": ("moe", ["--precision", "bf16"]),
-    "moe-fp8-delayed": ("moe", ["--precision", "fp8", "--fp8-recipe", "delayed"]),
+    # (the default throughput profile has the FP8 output layer on an untied shape: this run leaves it out, as run
+    # on 2026-12-06 before the profile took it)
+    "moe-fp8-delayed": ("moe", ["--precision", "fp8", "--fp8-recipe", "delayed", "--no-fp8-output-layer"]),
     # the output layer's GEMMs in FP8 too (`--fp8-output-layer`, issue 28's largest lever; Transformer Engine's
     # output layer needs untied embeddings, which of these shapes only the Mixtral one has; the tied ones take
     # `training.fp8_head`, another implementation): read against moe-fp8-delayed and moe-bf16

@@ -72,8 +72,10 @@ def add_patch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "throughput profiles; --no-wgrad-fusion-without-apex leaves it out")
     g.add_argument("--fp8-output-layer", action=argparse.BooleanOptionalAction, default=False,
                    help="with --precision fp8, the output layer's GEMMs (logits, their input gradient and the "
-                        "weight gradient) in FP8 too (otherwise they stay bf16); needs --model-class gpt; an "
-                        "accuracy trade: compare the losses. How: --fp8-output-layer-impl")
+                        "weight gradient) in FP8 too (otherwise they stay bf16); needs --model-class gpt. On in "
+                        "the default and benchmark throughput profiles where the convergence study trained it "
+                        "(docs/convergence.md): the delayed recipe, untied embeddings, Transformer Engine's layer "
+                        "(megatron-core 0.19); --no-fp8-output-layer leaves it out. How: --fp8-output-layer-impl")
     g.add_argument("--fp8-output-layer-impl", choices=FP8_HEAD_IMPLS, default="auto",
                    help="transformer_engine: Transformer Engine's output layer under the run's recipe "
                         "(megatron-core >= 0.19 offers it for MXFP8 only; needs untied embeddings); torch: "
@@ -142,10 +144,12 @@ def hf_config_source(args: argparse.Namespace) -> str:
 
 def parse_args(argv: list[str] | None = None, extra_args_provider=None, indexed_data: bool = True,
                prog: str | None = None, description: str | None = None,
-               adjust: Callable[[argparse.Namespace], None] | None = None) -> tuple[argparse.Namespace, dict]:
+               adjust: Callable[[argparse.Namespace], None] | None = None,
+               lm_head: bool = True) -> tuple[argparse.Namespace, dict]:
     """Megatron's argument parsing with our additions and the HF architecture applied; sets megatron's
     global args (and tokenizer) like `parse_and_validate_args`. `adjust(args)` settles an entry point's own
-    arguments before megatron validates them. Returns (args, hf_config)."""
+    arguments before megatron validates them; `lm_head`: the model's output layer is the vocabulary's (False:
+    a reward model's one-label head). Returns (args, hf_config)."""
     from megatron.training.arguments import parse_args as megatron_parse_args
     from megatron.training.arguments import validate_args
     from megatron.training.global_vars import set_global_variables
@@ -176,9 +180,9 @@ def parse_args(argv: list[str] | None = None, extra_args_provider=None, indexed_
     apply_precision(args)
     # megatron prints the resulting arguments at start
     model_kwargs = get_family(hf_config).config_kwargs(hf_config)
-    apply_throughput_profile(args, given, model_kwargs)
+    apply_throughput_profile(args, given, model_kwargs, lm_head)
     apply_lean_cross_entropy(args, given)
-    check_fp8_output_layer(args)
+    check_fp8_output_layer(args, lm_head)
     check_fused_qkv_rope(args, model_kwargs)
     apply_te_activation(args, model_kwargs)
     if indexed_data:
@@ -218,8 +222,9 @@ def apply_lean_cross_entropy(args: argparse.Namespace, given: set[str]) -> None:
     args.cross_entropy_loss_fusion, args.cross_entropy_fusion_impl = True, "native"
 
 
-def check_fp8_output_layer(args: argparse.Namespace) -> None:
-    """`--fp8-output-layer` needs fp8 training (Transformer Engine) and GPTModel; `--fp8-output-layer-impl auto`
+def check_fp8_output_layer(args: argparse.Namespace, lm_head: bool = True) -> None:
+    """`--fp8-output-layer` needs fp8 training (Transformer Engine), GPTModel and a vocabulary head (`lm_head`; a
+    reward model's one-label head is too narrow for FP8's GEMMs); `--fp8-output-layer-impl auto`
     becomes the implementation that applies: Transformer Engine's output layer where megatron-core has one to
     offer (the `fp8_output_layer` patch's versions) and the output layer owns its weight (Transformer Engine's
     takes no weight from the embedding at run time), megatron-core's own with FP8 GEMMs otherwise
@@ -230,6 +235,9 @@ def check_fp8_output_layer(args: argparse.Namespace) -> None:
         raise ValueError("--fp8-output-layer needs --precision fp8")
     if getattr(args, "model_class", "gpt") != "gpt":
         raise ValueError(f"--fp8-output-layer needs --model-class gpt, not {args.model_class}")
+    if not lm_head:
+        raise ValueError("--fp8-output-layer: this model's output layer is a one-label head (a reward model's), "
+                         "not the vocabulary's; FP8 GEMMs need dimensions of 16 and more")
     from megatron_patch import compat, patches
 
     te_offered = compat.megatron_core_version() in patches.registry()["fp8_output_layer"].versions

@@ -1,6 +1,7 @@
 """`--throughput-profile`: Megatron settings that make a training step cheaper. `default` changes the numbers by
-no more than bf16 rounding; `benchmark` also skips the per-step safety checks; `none` is Megatron's own defaults.
-A flag given on the command line always wins."""
+no more than bf16 rounding, but for FP8 training's output layer in FP8 too (`_FP8_HEAD`, where the convergence study
+trained it); `benchmark` also skips the per-step safety checks; `none` is Megatron's own defaults. A flag given on
+the command line always wins."""
 
 from __future__ import annotations
 
@@ -27,6 +28,15 @@ _CROSS_ENTROPY_FLAGS = {"--lean-cross-entropy", "--no-lean-cross-entropy", "--cr
 # over 10 iterations (fp8's own distance from `none`: 2.2e-3); in bf16, with TE's fused MLP, +2.3% and 1.0e-4
 # (docs/benchmarks.md, 2026-12-05). Only where --gradient-accumulation-fusion is on (a GPU; --cpu turns it off).
 _WGRAD = ("wgrad_fusion_without_apex", True, "--wgrad-fusion-without-apex")
+# the output layer's three GEMMs in FP8 too (`--fp8-output-layer`), where the convergence study trained it: Transformer
+# Engine's output layer (untied embeddings; the `fp8_output_layer` patch's megatron-core versions) under the delayed
+# recipe, on a language model's vocabulary head. On one H200 at LLaMA-3-8B widths +11% tokens/s in fp8 (with the
+# weight-gradient fusion, 872 TFLOP/s; losses within 0.039 of the default's over 10 iterations, fp8's own distance
+# from bf16 0.24, docs/benchmarks.md 2026-12-05); the Mixtral-shape study (20M tokens) ended -0.26% against BF16 in
+# held-out loss, +0.42% against FP8 without it (docs/convergence.md, 2026-12-06). Not for tied embeddings
+# (megatron-core's own layer with `training.fp8_head`: slower, and not in the study), other recipes, or a reward
+# model's one-label head.
+_FP8_HEAD = ("fp8_output_layer", True, "--fp8-output-layer")
 # ... and trade a per-step safety check for speed
 _UNCHECKED = (("check_for_nan_in_loss_and_grad", False, "--no-check-for-nan-in-loss-and-grad"),
               ("rerun_mode", "disabled", "--rerun-mode"))
@@ -69,12 +79,27 @@ def te_runs_fa4_on_hopper() -> bool:
     return backends is not None and getattr(backends, TE_FA4_NAMES[0], None) is not None
 
 
-def apply_throughput_profile(args: argparse.Namespace, given: set[str], model: Mapping[str, Any] | None = None) -> dict:
+def fp8_head_suits(args: argparse.Namespace, lm_head: bool = True) -> bool:
+    """Whether the profile's FP8 output layer (`_FP8_HEAD`) fits this run: FP8 training under the delayed recipe,
+    GPTModel with untied embeddings, a megatron-core that the `fp8_output_layer` patch opens Transformer Engine's
+    output layer in, the implementation not chosen as torch, and a vocabulary head (`lm_head`: not a reward
+    model's)."""
+    from megatron_patch import compat, patches
+
+    return (lm_head and bool(getattr(args, "fp8", None)) and getattr(args, "fp8_recipe", "delayed") == "delayed"
+            and getattr(args, "model_class", "gpt") == "gpt" and bool(args.untie_embeddings_and_output_weights)
+            and getattr(args, "fp8_output_layer_impl", "auto") in ("auto", "transformer_engine")
+            and compat.megatron_core_version() in patches.registry()["fp8_output_layer"].versions)
+
+
+def apply_throughput_profile(args: argparse.Namespace, given: set[str], model: Mapping[str, Any] | None = None,
+                             lm_head: bool = True) -> dict:
     """`--throughput-profile`: the settings of the profile that the command line did not set itself.
     Returns {argument: value} as applied. The data loader's attention mask is dropped only where nothing
     reads it: Transformer Engine's causal kernels ignore it, unless documents are masked apart
     (--reset-attention-mask). Attention runs on FlashAttention-4 where `flash_attention_suits` the run
-    (`model`: the family's TransformerConfig arguments) and `te_runs_fa4_on_hopper`."""
+    (`model`: the family's TransformerConfig arguments) and `te_runs_fa4_on_hopper`; the output layer in FP8
+    where `fp8_head_suits` it (`lm_head`: the model's output layer is the vocabulary's)."""
     if args.throughput_profile == "none":
         return {}
     settings = list(_NEUTRAL)
@@ -88,6 +113,8 @@ def apply_throughput_profile(args: argparse.Namespace, given: set[str], model: M
     if not given & _CROSS_ENTROPY_FLAGS:
         settings.append(("lean_cross_entropy", True, "--lean-cross-entropy"))
     settings.append(_WGRAD)
+    if fp8_head_suits(args, lm_head):
+        settings.append(_FP8_HEAD)
     if args.throughput_profile == "benchmark":
         settings += _UNCHECKED
     if "--manual-gc" in given:  # the user's own GC setting, interval included

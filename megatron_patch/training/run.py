@@ -35,7 +35,7 @@ def run(argv: list[str] | None, datasets_provider, extra_args_provider=None, ind
 
     patches.apply("prebuilt_dataset_helpers")
     args, hf_config = parse_args(argv, extra_args_provider, indexed_data=indexed_data, prog=prog,
-                                 description=description, adjust=adjust)
+                                 description=description, adjust=adjust, lm_head=model_config is None)
     if args.lean_cross_entropy:
         patches.apply("lean_cross_entropy")
     if args.wgrad_fusion_without_apex and args.gradient_accumulation_fusion:

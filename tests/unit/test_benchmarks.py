@@ -604,6 +604,8 @@ def test_the_tied_1b_shape_and_the_fp8_head_rows():
     assert len(commands) == 1 and "--fp8-output-layer" in commands[0]
     assert tb.RUNS["fp8 +fp8-head-torch"][2] == ["--fp8-output-layer", "--fp8-output-layer-impl", "torch"]
     assert tb.loss_reference("fp8 +fp8-head-torch") == tb.loss_reference("fp8 +fp8-head") == "fp8"
+    # the default profile has Transformer Engine's FP8 output layer on an untied shape: `-fp8-head` leaves it out
+    assert tb.RUNS["fp8 -fp8-head"][2] == ["--no-fp8-output-layer"] and tb.loss_reference("fp8 -fp8-head") == "fp8"
 
 
 def test_gpu_clocks_are_summarised_over_the_busy_samples():

@@ -197,6 +197,9 @@ def test_runs_use_the_same_seed_data_and_schedule(conv, tmp_path):
     assert moe[moe.index("--moe-router-load-balancing-type") + 1] == "aux_loss"
     head = conv.train_command(str(tmp_path), "moe-fp8-head", 20_000_000, 1, TINY_TOKENIZER, 1000, 100)
     assert common(head) == common(moe) + ["--fp8-output-layer"]
+    # moe-fp8-delayed keeps its output layer in bf16 (the default profile would put it in FP8 on this untied shape)
+    delayed = conv.train_command(str(tmp_path), "moe-fp8-delayed", 20_000_000, 1, TINY_TOKENIZER, 1000, 100)
+    assert common(delayed) == common(moe) + ["--no-fp8-output-layer"]
     assert json.load(open(tmp_path / "runs" / "moe-bf16.config.json"))["tie_word_embeddings"] is False
 
 

@@ -9,8 +9,9 @@ from argparse import Namespace
 import pytest
 from megatron.core.transformer import TransformerConfig
 
+from megatron_patch import compat, patches
 from megatron_patch.models import get_family
-from megatron_patch.training.arguments import check_fused_qkv_rope
+from megatron_patch.training.arguments import check_fp8_output_layer, check_fused_qkv_rope
 from megatron_patch.training.profiles import apply_throughput_profile
 from tests.models import any_config
 
@@ -61,3 +62,38 @@ def test_default_profile_fuses_the_weight_gradients(profile, given, expected):
     applied = apply_throughput_profile(args, given)
     assert args.wgrad_fusion_without_apex is expected
     assert ("wgrad_fusion_without_apex" in applied) == expected
+
+
+_TE_HEAD = compat.megatron_core_version() in patches.registry()["fp8_output_layer"].versions
+
+
+@pytest.mark.parametrize("over, given, lm_head, expected", [
+    ({}, set(), True, _TE_HEAD),                                  # where the convergence study trained it
+    ({"throughput_profile": "benchmark"}, set(), True, _TE_HEAD),
+    ({"throughput_profile": "none"}, set(), True, False),         # Megatron's defaults
+    ({}, {"--no-fp8-output-layer"}, True, False),                 # the user's choice wins
+    ({"fp8": None}, set(), True, False),                          # bf16
+    ({"fp8_recipe": "tensorwise"}, set(), True, False),           # another recipe: not in the study
+    ({"untie_embeddings_and_output_weights": False}, set(), True, False),  # tied: the torch layer, not in the study
+    ({"fp8_output_layer_impl": "torch"}, set(), True, False),
+    ({"model_class": "hybrid"}, set(), True, False),
+    ({}, set(), False, False),                                    # a reward model's one-label head
+])
+def test_default_profile_puts_the_output_layer_in_fp8_where_it_was_studied(over, given, lm_head, expected):
+    """The default and benchmark profiles take `--fp8-output-layer` (+11% tokens/s in fp8 at LLaMA-3-8B widths) on
+    what docs/convergence.md trained: Transformer Engine's layer (untied embeddings, megatron-core 0.19 through the
+    `fp8_output_layer` patch) under the delayed recipe; nowhere else."""
+    args = Namespace(**{"throughput_profile": "default", "transformer_impl": "transformer_engine",
+                        "reset_attention_mask": False, "lean_cross_entropy": False, "wgrad_fusion_without_apex": False,
+                        "fp8": "hybrid", "fp8_recipe": "delayed", "model_class": "gpt",
+                        "untie_embeddings_and_output_weights": True, "fp8_output_layer": False,
+                        "fp8_output_layer_impl": "auto", **over})
+    applied = apply_throughput_profile(args, given, lm_head=lm_head)
+    assert args.fp8_output_layer is expected and ("fp8_output_layer" in applied) == expected
+
+
+def test_a_reward_model_refuses_the_fp8_output_layer():
+    args = Namespace(fp8_output_layer=True, fp8="hybrid", model_class="gpt", untie_embeddings_and_output_weights=True,
+                     fp8_output_layer_impl="auto")
+    with pytest.raises(ValueError, match="one-label head"):
+        check_fp8_output_layer(args, lm_head=False)
