@@ -7,7 +7,7 @@
 #                                        # on both engines, 5 iterations bf16 and fp8, a LoRA run, PPO and GRPO steps,
 #                                        # evaluate and an lm-eval run, HybridModel under TE (~4 min on one H200 on
 #                                        # 2026-12-05 morning; ~10 min by its evening, MLA and MoE graph tests added;
-#                                        # past one call's 600 s on 2026-12-06: run it as two calls, smoke-gen and smoke-train).
+#                                        # past one call's 600 s on 2026-12-06: run it in parts: smoke-gen, smoke-levers, smoke-other).
 #                                        # Any change to code on a GPU path runs it before it lands.
 #   bash tests/gpu/run_suite.sh smoke-gen    # the smoke in parts: its generation tests (test_generate_te.py,
 #                                            # ~100 s on one H100 on 2026-12-06),
@@ -17,7 +17,9 @@
 #                                            # ninth session) a test's tiny training runs go TRAIN_WORKERS (3) at a
 #                                            # time (their time is their start-up): the lever test 101 s (was 316);
 #                                            # 18 of the part's 21 tests in a 330 s call, the other 3 ~60 s
-#                                            # (thirtieth session); TRAIN_WORKERS=1: one by one
+#                                            # (thirtieth session); TRAIN_WORKERS=1: one by one. Past one call
+#                                            # since 2026-12-07 (the fp8-head resume test, 94 s; the lever test
+#                                            # 150 s on an H100): run smoke-levers, then smoke-other
 #   bash tests/gpu/run_suite.sh quick    # every GPU test but the two proofs (~5 min; NCCL / MoE tests need 2 GPUs)
 #   bash tests/gpu/run_suite.sh rest     # quick without the smoke tests: after `smoke`, the rest of quick
 #   bash tests/gpu/run_suite.sh proofs   # the training proof and the RLHF proof: more than one call's 10 minutes
