@@ -48,12 +48,17 @@ def register(name: str, versions: str) -> Callable:
     return deco
 
 
+def covers(name: str) -> bool:
+    """Whether megatron-core's version is in patch `name`'s range (where `apply` would try it)."""
+    return compat.megatron_core_version() in _REGISTRY[name].versions
+
+
 def apply(name: str) -> bool:
     """Apply patch `name` if megatron-core's version is in its range; True if it is active."""
     if name in _ACTIVE:
         return True
     p = _REGISTRY[name]
-    if compat.megatron_core_version() not in p.versions:
+    if not covers(name):
         return False
     undo = p.apply()
     if undo is None:
@@ -67,7 +72,7 @@ def require(name: str, flag: str) -> None:
     if apply(name):
         return
     p, version = _REGISTRY[name], compat.megatron_core_version()
-    if version not in p.versions:
+    if not covers(name):
         raise ValueError(f"{flag} needs megatron-core {p.versions}, not {version}")
     raise ValueError(f"{flag}: megatron-core {version} lacks what patch {name} changes ({p.why.splitlines()[0]})")
 

@@ -238,9 +238,9 @@ def check_fp8_output_layer(args: argparse.Namespace, lm_head: bool = True) -> No
     if not lm_head:
         raise ValueError("--fp8-output-layer: this model's output layer is a one-label head (a reward model's), "
                          "not the vocabulary's; FP8 GEMMs need dimensions of 16 and more")
-    from megatron_patch import compat, patches
+    from megatron_patch import patches
 
-    te_offered = compat.megatron_core_version() in patches.registry()["fp8_output_layer"].versions
+    te_offered = patches.covers("fp8_output_layer")
     impl = getattr(args, "fp8_output_layer_impl", "auto")
     if impl == "auto":
         impl = "transformer_engine" if te_offered and args.untie_embeddings_and_output_weights else "torch"

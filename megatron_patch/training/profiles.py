@@ -84,12 +84,12 @@ def fp8_head_suits(args: argparse.Namespace, lm_head: bool = True) -> bool:
     GPTModel with untied embeddings, a megatron-core that the `fp8_output_layer` patch opens Transformer Engine's
     output layer in, the implementation not chosen as torch, and a vocabulary head (`lm_head`: not a reward
     model's)."""
-    from megatron_patch import compat, patches
+    from megatron_patch import patches
 
     return (lm_head and bool(getattr(args, "fp8", None)) and getattr(args, "fp8_recipe", "delayed") == "delayed"
             and getattr(args, "model_class", "gpt") == "gpt" and bool(args.untie_embeddings_and_output_weights)
             and getattr(args, "fp8_output_layer_impl", "auto") in ("auto", "transformer_engine")
-            and compat.megatron_core_version() in patches.registry()["fp8_output_layer"].versions)
+            and patches.covers("fp8_output_layer"))
 
 
 def apply_throughput_profile(args: argparse.Namespace, given: set[str], model: Mapping[str, Any] | None = None,

@@ -29,7 +29,7 @@ def fa4(monkeypatch):
     """megatron-core's attention module as if FA4 were installed, its kernel a recorder; the patch not active."""
     from megatron.core.transformer import attention
 
-    if compat_version() not in patches.registry()[PATCH].versions:
+    if not patches.covers(PATCH):
         pytest.skip(f"{PATCH} does not cover megatron-core {compat_version()}")
     recorder = _Recorder()
     monkeypatch.setattr(attention, "HAVE_FA4", True)

@@ -6,7 +6,7 @@ from argparse import Namespace
 
 import pytest
 
-from megatron_patch import compat, patches
+from megatron_patch import patches
 from megatron_patch.training.arguments import check_fp8_output_layer
 
 
@@ -29,7 +29,7 @@ def test_what_it_needs(over, message):
 
 
 def _te_offered() -> bool:
-    return compat.megatron_core_version() in patches.registry()["fp8_output_layer"].versions
+    return patches.covers("fp8_output_layer")
 
 
 @pytest.mark.parametrize("tied, impl, want", [

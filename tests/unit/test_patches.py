@@ -77,6 +77,7 @@ def test_a_patch_is_never_applied_outside_its_range(monkeypatch, version):
         monkeypatch.setattr(p, "apply", lambda name=p.name: ran.append(name))
         monkeypatch.delitem(patches._ACTIVE, p.name, raising=False)  # (the CPU harness may hold some)
     for name in patches.registry():
+        assert patches.covers(name) is False
         assert patches.apply(name) is False and not patches.is_active(name)
         with patches.applied(name) as active:
             assert active is False
@@ -95,9 +96,11 @@ def test_require_applies_or_says_which_range_or_seam_is_missing(monkeypatch):
                       "Probe: changes nothing real.\nSecond line.", lambda: None)
     monkeypatch.setitem(patches._REGISTRY, "probe_patch", p)
     monkeypatch.setattr(compat, "megatron_core_version", lambda: Version("0.17.1"))
+    assert patches.covers("probe_patch") is False
     with pytest.raises(ValueError, match=r"^--probe needs megatron-core <0\.20,>=0\.18\.2, not 0\.17\.1$"):
         patches.require("probe_patch", "--probe")
     monkeypatch.setattr(compat, "megatron_core_version", lambda: Version("0.19.2"))
+    assert patches.covers("probe_patch") is True
     with pytest.raises(ValueError, match=r"^--probe: megatron-core 0\.19\.2 lacks what patch probe_patch changes "
                                          r"\(Probe: changes nothing real\.\)$"):
         patches.require("probe_patch", "--probe")

@@ -9,7 +9,7 @@ from argparse import Namespace
 import pytest
 from megatron.core.transformer import TransformerConfig
 
-from megatron_patch import compat, patches
+from megatron_patch import patches
 from megatron_patch.models import get_family
 from megatron_patch.training.arguments import check_fp8_output_layer, check_fused_qkv_rope
 from megatron_patch.training.profiles import apply_throughput_profile
@@ -64,7 +64,7 @@ def test_default_profile_fuses_the_weight_gradients(profile, given, expected):
     assert ("wgrad_fusion_without_apex" in applied) == expected
 
 
-_TE_HEAD = compat.megatron_core_version() in patches.registry()["fp8_output_layer"].versions
+_TE_HEAD = patches.covers("fp8_output_layer")
 
 
 @pytest.mark.parametrize("over, given, lm_head, expected", [
