@@ -119,6 +119,10 @@ RUNS: dict[str, tuple[str, str, list[str], dict[str, str]]] = {
     "fp8 blockwise": ("fp8", "default", ["--fp8-recipe", "blockwise"], {}),
     "fp8 +grad-reduce-bf16": ("fp8", "default", ["--grad-reduce-in-bf16"], {}),
     "fp8 +param-gather": ("fp8", "default", ["--fp8-param-gather"], {}),
+    # Transformer Engine's FusedAdam holding the fp32 master weights as the bf16 parameter and a 16-bit remainder
+    # (megatron-core's store_param_remainders): 2 bytes a parameter fewer; bf16 at 8B on one H100 (2026-12-07) the
+    # same speed, 5.2 GB less resident memory
+    "fp8 +precision-aware-opt": ("fp8", "default", ["--use-precision-aware-optimizer"], {}),
     "fp8 -lean-ce": ("fp8", "default", ["--no-lean-cross-entropy"], {}),
     "fp8 -wgrad-fusion": ("fp8", "default", ["--no-wgrad-fusion-without-apex"], {}),
     # the output layer's three GEMMs in FP8 as well (22% of the fp8 step in bf16 in the profile of 2026-12-05): in the
@@ -387,8 +391,9 @@ def versions() -> dict:
         except ImportError:
             pass
     # from their metadata: liger_kernel has no __version__, and importing torchtitan here could fail on an
-    # incompatible torch (its row says why)
-    for name in ("liger_kernel", "torchtitan"):
+    # incompatible torch (its row says why); flash-attn-4: whether the profiles' attention could be FA4 on Hopper
+    # (`training.profiles.te_runs_fa4_on_hopper`) or fell back to cuDNN's fused attention
+    for name in ("liger_kernel", "torchtitan", "flash-attn-4"):
         try:
             out[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
@@ -555,7 +560,7 @@ def main() -> None:
                 print(json.dumps({"shape": shape, "trace": a.trace, "where": summarise_folder(trace_dir)}), flush=True)
     print(f"{meta['date']}, {meta.get('gpu')}, torch {meta['torch']}, megatron-core {meta.get('megatron.core')}, "
           f"TE {meta.get('transformer_engine')}, transformers {meta.get('transformers')}, "
-          f"torchtitan {meta.get('torchtitan')}; "
+          f"torchtitan {meta.get('torchtitan')}, FA4 {meta.get('flash-attn-4', 'none')}; "
           f"{a.micro_batches} micro-batches per step")
     print("| shape | run | tokens/s | TFLOP/s per GPU | × HF | peak GB | resident GB | max Δloss (vs) | SM clock |")
     print("|---|---|---|---|---|---|---|---|---|")
