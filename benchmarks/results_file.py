@@ -54,6 +54,18 @@ class ResultsFile:
         return result
 
 
+def read(path: str) -> tuple[dict, dict[str, dict]]:
+    """A results file's identity and its kept results by key, to print its table elsewhere (`train_bench.py
+    --report`): one line, `error: ...`, where the file is missing, empty or not a results file."""
+    if not os.path.isfile(path) or os.path.getsize(path) == 0:
+        raise SystemExit(f"error: {path}: no results file there")
+    lines = _read(path)
+    identity = lines[0].get("identity") if lines else None
+    if not isinstance(identity, dict):
+        raise SystemExit(f"error: {path}, line 1: not a results file (no identity line)")
+    return identity, {line["key"]: line["result"] for line in lines[1:] if "key" in line}
+
+
 def _read(path: str) -> list[dict]:
     """The file's records; a last line cut short (the call stopped while it was written) is dropped from the file,
     its row measured again; a broken line before the last is an error."""

@@ -11,6 +11,8 @@ torchtitan accumulate gradients over them too). Prints a table (docs/benchmarks.
 `--results FILE` keeps each measured row in FILE as it is measured; the same command run again on the same
 machine and code takes the rows kept there and measures the rest, so a table longer than one time-limited call
 (the GPU machine's 10 minutes) comes from one command run in several calls (`benchmarks/results_file.py`).
+`--report FILE` prints such a file's table and measures nothing (no GPU needed: a file brought back from the GPU
+machine, whose calls were cut before their table).
 
 Runs (`--runs`, names from RUNS): our path with a throughput profile (`none` = Megatron's defaults,
 `default`, `benchmark`) plus at most one more setting, so each row shows what one setting costs or buys
@@ -397,7 +399,8 @@ def versions() -> dict:
         try:
             out[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
-            pass
+            if name == "flash-attn-4":  # said, so that a table says it (a file from before: "?")
+                out[name] = "none"
     if torch.cuda.is_available():
         out["gpu"] = f"{torch.cuda.get_device_name()} x{torch.cuda.device_count()}"
     return out
@@ -505,9 +508,14 @@ def main() -> None:
                     help="keep each measured row in FILE (JSON lines) and take the rows kept there by an earlier "
                          "call of the same command on the same machine and code: one table over several "
                          "time-limited calls (benchmarks/results_file.py)")
+    ap.add_argument("--report", metavar="FILE", help="print the table of a --results FILE and measure nothing (no "
+                                                      "GPU needed)")
     ap.add_argument("--dry-run", action="store_true", help="print our runs' commands, run nothing")
     ap.add_argument("--hf-worker", choices=HF_RUNS, help=argparse.SUPPRESS)  # one HF row (hf() starts it)
     a = ap.parse_args()
+    if a.report:
+        report(a.report)
+        return
     if a.hf_worker:
         print("HF_RESULT " + json.dumps(hf_measure(a.shapes[0], a.hf_worker, a.iters, a.micro_batches)), flush=True)
         return
@@ -558,10 +566,16 @@ def main() -> None:
                 trace_dir = os.path.join(tmp, "trace")
                 ours(shape, a.trace, 8, a.micro_batches, a.gpus, tmp, trace_dir)
                 print(json.dumps({"shape": shape, "trace": a.trace, "where": summarise_folder(trace_dir)}), flush=True)
+    print_table(meta, rows, a.micro_batches)
+
+
+def print_table(meta: dict, rows: list[dict], micro_batches: int) -> None:
+    """The table of `rows` (ShapeRows' rows) under a line of `meta` (versions(): date, GPU, versions), then the
+    rows and meta as one JSON line."""
     print(f"{meta['date']}, {meta.get('gpu')}, torch {meta['torch']}, megatron-core {meta.get('megatron.core')}, "
           f"TE {meta.get('transformer_engine')}, transformers {meta.get('transformers')}, "
-          f"torchtitan {meta.get('torchtitan')}, FA4 {meta.get('flash-attn-4', 'none')}; "
-          f"{a.micro_batches} micro-batches per step")
+          f"torchtitan {meta.get('torchtitan')}, FA4 {meta.get('flash-attn-4', '?')}; "
+          f"{micro_batches} micro-batches per step")
     print("| shape | run | tokens/s | TFLOP/s per GPU | × HF | peak GB | resident GB | max Δloss (vs) | SM clock |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
@@ -572,6 +586,33 @@ def main() -> None:
             print(f"| {r['shape']} | {r['run']} | {r['tokens_per_s']:,} | {r['tflops_per_gpu']} | {r['vs_hf'] or ''} | "
                   f"{r['peak_gb']} | {r.get('resident_gb', '')} | {_loss_cell(r)} | {_clock_cell(r)} |")
     print(json.dumps({"meta": meta, "rows": rows}))
+
+
+def report(path: str) -> None:
+    """`--report FILE`: the table of a results file (`--results`), its rows in the order they were measured, HF's
+    row first in each shape (the × HF reference), the losses compared as the measuring call compared them; the
+    date is the file's last change."""
+    import io
+    from contextlib import redirect_stdout
+
+    from results_file import read  # beside this script
+
+    identity, results = read(path)
+    settings, meta = identity.get("settings", {}), dict(identity.get("versions", {}))
+    meta["date"] = datetime.date.fromtimestamp(os.path.getmtime(path)).isoformat()
+    rows: list[dict] = []
+    by_shape: dict[str, list[str]] = {}
+    for key in results:
+        shape, _, name = key.partition("|")
+        if shape not in SHAPES:
+            raise SystemExit(f"error: {path}: row {key!r}: unknown shape {shape!r}")
+        by_shape.setdefault(shape, []).append(name)
+    for shape, names in by_shape.items():
+        shape_rows = ShapeRows(shape, flops_per_sample(shape), settings.get("gpus", 1), settings.get("losses", 0), rows)
+        with redirect_stdout(io.StringIO()):  # the rows' JSON lines: the table below has them
+            for name in sorted(names, key=lambda n: n != "hf"):
+                shape_rows.add(name, results[f"{shape}|{name}"])
+    print_table(meta, rows, settings.get("micro_batches", 8))
 
 
 if __name__ == "__main__":

@@ -557,6 +557,17 @@ def test_one_table_over_several_calls_with_a_results_file(monkeypatch, tmp_path,
     kept = [json.loads(line) for line in results.read_text().splitlines()]
     assert list(kept[0]) == ["identity"] and [k["key"] for k in kept[1:]] == \
         ["8b|hf", "8b|ours bf16 none", "8b|ours bf16", "8b|ours fp8 none", "8b|ours fp8"]
+    # `--report FILE`: the same table from the file alone, measuring nothing (a machine without a GPU)
+    measured.clear()
+    monkeypatch.setattr(sys, "argv", ["train_bench.py", "--report", str(results)])
+    tb.main()
+    out = capsys.readouterr().out.strip().splitlines()
+    assert measured == [] and json.loads(out[-1])["rows"] == second
+    assert "| 8b | ours fp8 | 65,536 |" in "\n".join(out) and out[0].endswith("8 micro-batches per step")
+    for bad, why in ((tmp_path / "none.jsonl", "no results file there"),
+                     (tmp_path / "out", "no results file there")):
+        with pytest.raises(SystemExit, match=why):
+            tb.report(str(bad))
     with pytest.raises(SystemExit) as e:
         table([*argv, "--iters", "20"])
     assert str(e.value).startswith(f"error: --results {results} holds results of another settings (")
