@@ -23,12 +23,10 @@ class ResultsFile:
         if not path:
             return
         if os.path.exists(path) and os.path.getsize(path) > 0:
-            lines = _read(path)
-            kept = lines[0].get("identity") if lines else None
+            kept, self.stored = _load(path)
             if kept != identity:
                 raise SystemExit(f"error: --results {path} holds results of another {_difference(kept, identity)}: "
                                  "give a new file")
-            self.stored = {line["key"]: line["result"] for line in lines[1:]}
         else:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             self._append({"identity": identity})
@@ -59,11 +57,16 @@ def read(path: str) -> tuple[dict, dict[str, dict]]:
     --report`): one line, `error: ...`, where the file is missing, empty or not a results file."""
     if not os.path.isfile(path) or os.path.getsize(path) == 0:
         raise SystemExit(f"error: {path}: no results file there")
-    lines = _read(path)
-    identity = lines[0].get("identity") if lines else None
+    identity, results = _load(path)
     if not isinstance(identity, dict):
         raise SystemExit(f"error: {path}, line 1: not a results file (no identity line)")
-    return identity, {line["key"]: line["result"] for line in lines[1:] if "key" in line}
+    return identity, results
+
+
+def _load(path: str) -> tuple[dict | None, dict[str, dict]]:
+    """The identity of a file's first line (None: none there) and its kept results by key."""
+    lines = _read(path)
+    return (lines[0].get("identity") if lines else None), {line["key"]: line["result"] for line in lines[1:]}
 
 
 def _read(path: str) -> list[dict]:

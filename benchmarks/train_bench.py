@@ -399,8 +399,8 @@ def versions() -> dict:
         try:
             out[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
-            if name == "flash-attn-4":  # said, so that a table says it (a file from before: "?")
-                out[name] = "none"
+            pass
+    out.setdefault("flash-attn-4", "none")  # said, so that a table says it (a file from before: "?")
     if torch.cuda.is_available():
         out["gpu"] = f"{torch.cuda.get_device_name()} x{torch.cuda.device_count()}"
     return out
