@@ -24,7 +24,7 @@ from megatron_patch.models.megatron_args import megatron_lm_args
 from megatron_patch.names import HF_SUBDIR, TRACKER
 from megatron_patch.training.checks import check_data_paths, check_exports, check_numbers, check_splits
 from megatron_patch.training.device import PRECISIONS, apply_precision, select_device
-from megatron_patch.training.profiles import THROUGHPUT_PROFILES, apply_throughput_profile
+from megatron_patch.training.profiles import THROUGHPUT_PROFILES, apply_throughput_profile, fp8_head_impl
 
 _TRAINING_CHOICES = {"hidden_dropout", "attention_dropout", "init_method_std"}
 GROUP_PREFIX = "megatron_patch"  # our argument groups: listed first in --help
@@ -228,11 +228,8 @@ def apply_lean_cross_entropy(args: argparse.Namespace, given: set[str]) -> None:
 
 def check_fp8_output_layer(args: argparse.Namespace, lm_head: bool = True) -> None:
     """`--fp8-output-layer` needs fp8 training (Transformer Engine), GPTModel and a vocabulary head (`lm_head`; a
-    reward model's one-label head is too narrow for FP8's GEMMs); `--fp8-output-layer-impl auto`
-    becomes the implementation that applies: Transformer Engine's output layer where megatron-core has one to
-    offer (the `fp8_output_layer` patch's versions) and the output layer owns its weight (Transformer Engine's
-    takes no weight from the embedding at run time), megatron-core's own with FP8 GEMMs otherwise
-    (`training.fp8_head`)."""
+    reward model's one-label head is too narrow for FP8's GEMMs); `--fp8-output-layer-impl auto` becomes the
+    implementation that applies (`profiles.fp8_head_impl`)."""
     if not args.fp8_output_layer:
         return
     if not getattr(args, "fp8", None):
@@ -242,12 +239,7 @@ def check_fp8_output_layer(args: argparse.Namespace, lm_head: bool = True) -> No
     if not lm_head:
         raise ValueError("--fp8-output-layer: this model's output layer is a one-label head (a reward model's), "
                          "not the vocabulary's; FP8 GEMMs need dimensions of 16 and more")
-    from megatron_patch import patches
-
-    te_offered = patches.covers("fp8_output_layer")
-    impl = getattr(args, "fp8_output_layer_impl", "auto")
-    if impl == "auto":
-        impl = "transformer_engine" if te_offered and args.untie_embeddings_and_output_weights else "torch"
+    impl = fp8_head_impl(args)
     if impl == "transformer_engine" and not args.untie_embeddings_and_output_weights:
         raise ValueError("--fp8-output-layer-impl transformer_engine needs untied embeddings: this model's output "
                          "layer shares the word embedding's weight (tie_word_embeddings in its HF config); "

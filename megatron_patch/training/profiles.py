@@ -86,17 +86,29 @@ def te_runs_fa4_on_hopper() -> bool:
     return backends is not None and getattr(backends, TE_FA4_NAMES[0], None) is not None
 
 
+def fp8_head_impl(args: argparse.Namespace) -> str:
+    """`--fp8-output-layer-impl` as it applies: `auto` is Transformer Engine's output layer where megatron-core has
+    one to offer (the `fp8_output_layer` patch's versions) and the output layer owns its weight (untied embeddings:
+    Transformer Engine's layer takes no weight from the embedding at run time), megatron-core's own with FP8 GEMMs
+    otherwise (`training.fp8_head`)."""
+    from megatron_patch import patches
+
+    impl = getattr(args, "fp8_output_layer_impl", "auto")
+    if impl != "auto":
+        return impl
+    untied = bool(args.untie_embeddings_and_output_weights)
+    return "transformer_engine" if untied and patches.covers("fp8_output_layer") else "torch"
+
+
 def fp8_head_suits(args: argparse.Namespace, lm_head: bool = True) -> bool:
     """Whether the profile's FP8 output layer (`_FP8_HEAD`) fits this run: FP8 training under the delayed recipe,
-    GPTModel with untied embeddings, a megatron-core that the `fp8_output_layer` patch opens Transformer Engine's
-    output layer in, the implementation not chosen as torch, and a vocabulary head (`lm_head`: not a reward
-    model's)."""
+    GPTModel, a vocabulary head (`lm_head`: not a reward model's) and Transformer Engine's output layer as
+    `fp8_head_impl` resolves it, where megatron-core offers it with untied embeddings."""
     from megatron_patch import patches
 
     return (lm_head and bool(getattr(args, "fp8", None)) and getattr(args, "fp8_recipe", "delayed") == "delayed"
-            and getattr(args, "model_class", "gpt") == "gpt" and bool(args.untie_embeddings_and_output_weights)
-            and getattr(args, "fp8_output_layer_impl", "auto") in ("auto", "transformer_engine")
-            and patches.covers("fp8_output_layer"))
+            and getattr(args, "model_class", "gpt") == "gpt" and fp8_head_impl(args) == "transformer_engine"
+            and bool(args.untie_embeddings_and_output_weights) and patches.covers("fp8_output_layer"))
 
 
 def precision_aware_optimizer_suits(args: argparse.Namespace) -> bool:
