@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
 
     return run_main("rlhf.reward_model", __doc__, argv, datasets_provider, extra_args_provider=add_preference_args,
                     indexed_data=False, adjust=preference_settings, forward_step=forward_step,
-                    model_config=reward_config)
+                    model_config=reward_config, lm_head=False)
 
 
 if __name__ == "__main__":

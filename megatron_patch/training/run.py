@@ -18,10 +18,11 @@ from megatron_patch.cli import run as run_tool
 def run(argv: list[str] | None, datasets_provider, extra_args_provider=None, indexed_data: bool = True,
         adjust: Callable | None = None, forward_step: Callable | None = None,
         model_config: Callable[[dict], dict] | None = None, prog: str | None = None,
-        description: str | None = None) -> None:
+        description: str | None = None, lm_head: bool = True) -> None:
     """`adjust(args)` settles an entry point's own arguments; `forward_step` replaces the language-model
     one; `model_config(hf_config)` the HF config the model is built from (e.g. a reward model's);
-    `prog` / `description` head `--help`."""
+    `prog` / `description` head `--help`; `lm_head`: the model's output layer is the vocabulary's (False: a
+    reward model's one-label head, which FP8 GEMMs do not take)."""
     _prepare_process(sys.argv[1:] if argv is None else argv)
     from megatron.core.enums import ModelType
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
@@ -35,7 +36,7 @@ def run(argv: list[str] | None, datasets_provider, extra_args_provider=None, ind
 
     patches.apply("prebuilt_dataset_helpers")
     args, hf_config = parse_args(argv, extra_args_provider, indexed_data=indexed_data, prog=prog,
-                                 description=description, adjust=adjust, lm_head=model_config is None)
+                                 description=description, adjust=adjust, lm_head=lm_head)
     if args.lean_cross_entropy:
         patches.apply("lean_cross_entropy")
     if args.wgrad_fusion_without_apex and args.gradient_accumulation_fusion:
