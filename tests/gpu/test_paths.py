@@ -240,13 +240,14 @@ def test_grpo_rollouts_on_both_engines(trained, tmp_path, capsys, dtype):
 # --- training ---------------------------------------------------------------------------------------------------
 
 def _train(tmp_path, name: str, model: list[str], iters: int, *extra: str, data: str | None = None,
-           entry: str = "pretrain") -> dict:
+           entry: str = "pretrain", check: bool = True) -> dict:
+    """One tiny run (`train_proof.train`); `check`: its exit status must be 0."""
     from tests.gpu.train_proof import train
 
     run = train(str(tmp_path), name, 1, data, model, iters, "--seq-length", "256", "--micro-batch-size", "4",
                 "--global-batch-size", "8", "--make-vocab-size-divisible-by", "128", "--lr-warmup-iters", "0",
                 *extra, entry=entry)
-    assert run["rc"] == 0, run["tail"]
+    assert run["rc"] == 0 or not check, run["tail"]
     return run
 
 
@@ -255,7 +256,7 @@ def _train(tmp_path, name: str, model: list[str], iters: int, *extra: str, data:
 TRAIN_WORKERS = int(os.environ.get("TRAIN_WORKERS", "3"))
 
 
-def _train_all(tmp_path, model: list[str], iters: int, cases, *common: str) -> dict[str, dict]:
+def _train_all(tmp_path, model: list[str], iters: int, cases, *common: str, check: bool = True) -> dict[str, dict]:
     """`_train` for each (name, extra arguments) of `cases`, TRAIN_WORKERS at a time, each in tmp_path / name (its
     log there, NAME.log): {name: run}. Each run is its own process, so running beside others changes no number it
     computes, only when."""
@@ -264,7 +265,7 @@ def _train_all(tmp_path, model: list[str], iters: int, cases, *common: str) -> d
     def one(name: str, extra) -> dict:
         folder = tmp_path / name
         folder.mkdir(exist_ok=True)
-        return _train(folder, name, model, iters, *common, *extra)
+        return _train(folder, name, model, iters, *common, *extra, check=check)
 
     with ThreadPoolExecutor(max(1, TRAIN_WORKERS)) as pool:
         futures = {name: pool.submit(one, name, extra) for name, extra in cases}
@@ -374,39 +375,49 @@ def test_fp8_checkpoints_resume_across_the_head_default(tmp_path):
 
 
 @pytest.mark.smoke
-def test_checkpoints_resume_across_the_precision_aware_optimizer(tmp_path):
-    """`--use-precision-aware-optimizer` (with the distributed optimizer: Transformer Engine's FusedAdam keeps the fp32
-    master weights as the bf16 parameter plus a 16-bit remainder, megatron-core's `store_param_remainders`): 5.2 GB
-    less resident memory at LLaMA-3-8B widths on one H100 at the same speed (docs/benchmarks.md, 2026-12-07), a
-    candidate for the default profile. It trains as the plain distributed optimizer does (the first loss, before
-    any step, within 1e-4; all within bf16 noise, 0.02, over 4 steps of a 3e-3 learning rate), and a checkpoint
-    saved with either resumes under the other: megatron-core writes the master weights as fp32 `param` both ways,
-    so each resumed run's first loss (the saved weights' forward) is within 5e-3 of the uninterrupted run's at the
-    same iteration (the bf16 parameter rebuilt from the fp32 master: at most one bf16 rounding apart), the next
-    within 0.02, every loss finite."""
+def test_distributed_optimizer_resumes_and_the_precision_aware_one(tmp_path):
+    """A bf16 run under the distributed optimizer, saved at iteration 2 and resumed to 4, goes on as the
+    uninterrupted run: the first loss after the resume (the saved weights' forward) within 5e-3, the next (after
+    one step of the restored Adam state, lr 3e-3) within 0.02, every loss finite. `--use-precision-aware-optimizer`
+    (Transformer Engine's FusedAdam keeping the fp32 master weights as the bf16 parameter plus a 16-bit remainder:
+    5.2 GB less resident memory at LLaMA-3-8B widths on one H100 at the same speed, docs/benchmarks.md 2026-12-07)
+    trains as the plain one (first loss within 1e-4, the rest within 0.02); its resumes, its own and across from
+    and to the plain optimizer's checkpoints, are measured and reported as an expected failure while they miss
+    those bounds: on 2026-12-07 (one H100, megatron-core 0.19.2, TE 2.20.2) a precision-aware run resumed from its
+    own checkpoint took the step after the resume to a loss 0.068 from the uninterrupted run's, which is why the
+    default profile does not take it."""
     from tests.models import llama_config
 
     config = tmp_path / "config.json"
     config.write_text(json.dumps(llama_config("gqa", **GPU_CFG, max_position_embeddings=256)))
     model = ["--hf-config", str(config)]
     common = ("--precision", "bf16", "--lr", "3e-3", "--use-distributed-optimizer")
-    aware = "--use-precision-aware-optimizer"
-    plain_ck, aware_ck = str(tmp_path / "ck-plain"), str(tmp_path / "ck-aware")
+    flags = {"plain": (), "aware": ("--use-precision-aware-optimizer",)}
+    ck = {name: str(tmp_path / f"ck-{name}") for name in flags}
     saved = {name: run["losses"] for name, run in _train_all(
-        tmp_path, model, 4, [("plain", ("--save", plain_ck)), ("aware", (aware, "--save", aware_ck))],
+        tmp_path, model, 4, [(name, (*flags[name], "--save", ck[name])) for name in flags],
         *common, "--save-interval", "2").items()}
-    resumed = {name: run["losses"] for name, run in _train_all(
-        tmp_path, model, 4, [("to-aware", (aware, "--load", plain_ck, "--ckpt-step", "2")),
-                             ("to-plain", ("--load", aware_ck, "--ckpt-step", "2"))], *common).items()}
-    _record(test="precision_aware_optimizer_resume", saved=saved, resumed=resumed)
+    runs = _train_all(tmp_path, model, 4, [(f"{src}-to-{dst}", (*flags[dst], "--load", ck[src], "--ckpt-step", "2"))
+                                           for src in flags for dst in flags], *common, check=False)
+    resumed = {name: run["losses"] if run["rc"] == 0 else f"rc {run['rc']}: {run['tail'][-300:]}"
+               for name, run in runs.items()}
+    _record(test="distributed_optimizer_resume", saved=saved, resumed=resumed)
     assert all(sorted(series) == [1, 2, 3, 4] for series in saved.values()), saved
-    assert all(sorted(series) == [3, 4] for series in resumed.values()), resumed
-    assert all(math.isfinite(v) for runs in (saved, resumed) for series in runs.values() for v in series.values())
+    assert all(math.isfinite(v) for series in saved.values() for v in series.values()), saved
     assert abs(saved["aware"][1] - saved["plain"][1]) <= 1e-4, saved
     assert all(abs(saved["aware"][i] - saved["plain"][i]) <= 0.02 for i in (2, 3, 4)), saved
-    for name, source in (("to-aware", "plain"), ("to-plain", "aware")):
-        assert abs(resumed[name][3] - saved[source][3]) <= 5e-3, (name, resumed, saved)
-        assert abs(resumed[name][4] - saved[source][4]) <= 0.02, (name, resumed, saved)
+    plain = resumed["plain-to-plain"]
+    assert isinstance(plain, dict) and sorted(plain) == [3, 4], plain
+    assert abs(plain[3] - saved["plain"][3]) <= 5e-3 and abs(plain[4] - saved["plain"][4]) <= 0.02, (plain, saved)
+    missed = {}
+    for name in ("aware-to-aware", "plain-to-aware", "aware-to-plain"):
+        series, source = resumed[name], saved[name.split("-to-")[0]]
+        if not isinstance(series, dict) or sorted(series) != [3, 4]:
+            missed[name] = series
+        elif abs(series[3] - source[3]) > 5e-3 or abs(series[4] - source[4]) > 0.02:
+            missed[name] = {i: round(series[i] - source[i], 6) for i in (3, 4)}
+    if missed:
+        pytest.xfail(f"the precision-aware optimizer's resumes miss the bounds (not in the default profile): {missed}")
 
 
 @pytest.mark.smoke
