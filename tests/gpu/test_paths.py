@@ -406,18 +406,17 @@ def test_distributed_optimizer_resumes_and_the_precision_aware_one(tmp_path):
     assert all(math.isfinite(v) for series in saved.values() for v in series.values()), saved
     assert abs(saved["aware"][1] - saved["plain"][1]) <= 1e-4, saved
     assert all(abs(saved["aware"][i] - saved["plain"][i]) <= 0.02 for i in (2, 3, 4)), saved
-    plain = resumed["plain-to-plain"]
-    assert isinstance(plain, dict) and sorted(plain) == [3, 4], plain
-    assert abs(plain[3] - saved["plain"][3]) <= 5e-3 and abs(plain[4] - saved["plain"][4]) <= 0.02, (plain, saved)
-    missed = {}
-    for name in ("aware-to-aware", "plain-to-aware", "aware-to-plain"):
+
+    def holds(name: str) -> bool:  # (a NaN or a failed run does not hold)
         series, source = resumed[name], saved[name.split("-to-")[0]]
-        if not isinstance(series, dict) or sorted(series) != [3, 4]:
-            missed[name] = series
-        elif abs(series[3] - source[3]) > 5e-3 or abs(series[4] - source[4]) > 0.02:
-            missed[name] = {i: round(series[i] - source[i], 6) for i in (3, 4)}
+        return (isinstance(series, dict) and sorted(series) == [3, 4] and abs(series[3] - source[3]) <= 5e-3
+                and abs(series[4] - source[4]) <= 0.02)
+
+    assert holds("plain-to-plain"), (resumed, saved)
+    missed = {name: resumed[name] for name in ("aware-to-aware", "plain-to-aware", "aware-to-plain") if not holds(name)}
     if missed:
-        pytest.xfail(f"the precision-aware optimizer's resumes miss the bounds (not in the default profile): {missed}")
+        pytest.xfail(f"the precision-aware optimizer's resumes miss the bounds (not in the default profile): {missed}; "
+                     f"uninterrupted: {saved}")
 
 
 @pytest.mark.smoke
