@@ -1052,6 +1052,48 @@ def _lean_cross_entropy() -> Callable[[], None] | None:
     return _swap([(language_module, "fused_vocab_parallel_cross_entropy", lean_vocab_parallel_cross_entropy)])
 
 
+@register("first_log_interval_reset", ">=0.18.2,<0.20")
+def _first_log_interval_reset() -> Callable[[], None] | None:
+    """Each logged iteration's loss is that interval's own when a process's first iteration ends a log interval.
+
+    `megatron.training.training.training_log` (0.18.2 to 0.19.x) always prints a process's first iteration
+    (`is_first_iteration`) and then keeps its loss sums, iteration counts and interval timer (`should_reset`
+    False) so that the interval it began is averaged whole. When that first iteration itself ends an interval
+    (`iteration % --log-interval == 0`: every start and resume at `--log-interval 1`, the default of our
+    launchers and tests), the next line averages it in again: the second iteration after a start or a resume
+    logged the mean of two iterations' losses and times (NVIDIA/Megatron-LM issue #6237; on an H100 on
+    2026-12-07 a resumed run's iteration 4 logged 6.727700, the mean of iterations 3 and 4, 6.796119 and
+    6.659282). This calls `training_log` as for any other iteration there (`is_first_iteration=False`), so the
+    accumulators are reset as at every interval's end; a first iteration inside an interval is left to
+    Megatron. `train` looks `training_log` up in its module at each call, so binding the name serves it.
+    Applied by the training entry points (`training.run`)."""
+    import inspect
+
+    try:
+        from megatron.training import training
+    except ImportError:
+        return None
+    original = getattr(training, "training_log", None)
+    if original is None or getattr(original, "_megatron_patch", False):
+        return None
+    signature = inspect.signature(original)
+    if not {"is_first_iteration", "iteration"} <= set(signature.parameters):
+        return None
+
+    @functools.wraps(original)
+    def training_log(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        if bound.arguments.get("is_first_iteration"):
+            from megatron.training import get_args
+
+            if bound.arguments["iteration"] % get_args().log_interval == 0:
+                bound.arguments["is_first_iteration"] = False
+        return original(*bound.args, **bound.kwargs)
+
+    training_log._megatron_patch = True
+    return _swap([(training, "training_log", training_log)])
+
+
 @register("apex_free_wgrad_fusion", ">=0.18.2,<0.20")
 def _apex_free_wgrad_fusion() -> Callable[[], None] | None:
     """Weight-gradient accumulation fusion for megatron-core's own linear layers without Apex

@@ -35,6 +35,7 @@ def run(argv: list[str] | None, datasets_provider, extra_args_provider=None, ind
     from megatron_patch.training.model import make_model_provider
 
     patches.apply("prebuilt_dataset_helpers")
+    patches.apply("first_log_interval_reset")
     args, hf_config = parse_args(argv, extra_args_provider, indexed_data=indexed_data, prog=prog,
                                  description=description, adjust=adjust, lm_head=lm_head)
     if args.lean_cross_entropy:

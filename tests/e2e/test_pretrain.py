@@ -27,11 +27,12 @@ def _run(rank: int, argv: list[str]) -> dict:
     from megatron_patch.pretrain import main
     from megatron_patch.training import gpt
 
-    losses, batches, loss_func, get_batch = [], [], gpt.loss_func, gpt.get_batch
+    losses, tokens, batches, loss_func, get_batch = [], [], [], gpt.loss_func, gpt.get_batch
 
     def record_loss(mask, output):
         out = loss_func(mask, output)
         losses.append(out[0].item() / out[1].item())
+        tokens.append(out[1].item())
         return out
 
     def record_batch(it):
@@ -55,7 +56,7 @@ def _run(rank: int, argv: list[str]) -> dict:
 
     wgrad.WgradAccumulation.wgrad_gemm_accum_fp32 = staticmethod(record_fused)
     wgrad.scatter_into_main_grad = record_scatter
-    with contextlib.redirect_stdout(io.StringIO()):
+    with contextlib.redirect_stdout(io.StringIO()) as out:
         try:
             assert main(argv) == 0
         except SystemExit as e:  # --exit-interval ends the run with sys.exit(0)
@@ -66,8 +67,9 @@ def _run(rank: int, argv: list[str]) -> dict:
     from megatron_patch import patches
 
     settings = {k: getattr(get_args(), k) for k in PROFILE_SETTINGS}
-    return {"losses": losses, "first_batch": batches[0] if batches else None, "settings": settings,
-            "lean_cross_entropy": patches.is_active("lean_cross_entropy"), "wgrad_fused": fused}
+    return {"losses": losses, "tokens": tokens, "log": out.getvalue(), "first_batch": batches[0] if batches else None,
+            "settings": settings, "lean_cross_entropy": patches.is_active("lean_cross_entropy"),
+            "wgrad_fused": fused}
 
 
 # the arguments --throughput-profile sets
@@ -82,16 +84,37 @@ def _train(world: int, argv: list[str]) -> dict:
 
 @pytest.fixture(scope="module")
 def tp1_full(corpus, tmp_path_factory):
-    return _train(1, _argv(corpus, str(tmp_path_factory.mktemp("tp1") / "ckpt")))["losses"]
+    return _train(1, _argv(corpus, str(tmp_path_factory.mktemp("tp1") / "ckpt")))
+
+
+def _logged_losses_are_each_iterations_own(run: dict, first_iteration: int) -> None:
+    """Each iteration's logged `lm loss` (--log-interval 1) is its own micro-batches' loss (their token-weighted
+    mean, printed to 7 significant digits), the second iteration of a process included: megatron-core (0.18.2 to
+    0.19.x, issue NVIDIA/Megatron-LM#6237) logs there the mean of the first two iterations without the patch
+    `first_log_interval_reset`."""
+    from megatron_patch.training.log import parse_log
+
+    logged = {it: row["lm loss"] for it, row in parse_log(run["log"]).iterations.items()}
+    per_iteration = len(run["losses"]) // len(logged)
+    assert sorted(logged) == list(range(first_iteration, first_iteration + len(logged))), logged
+    for k, it in enumerate(sorted(logged)):
+        part = slice(k * per_iteration, (k + 1) * per_iteration)
+        own = sum(loss * n for loss, n in zip(run["losses"][part], run["tokens"][part])) / sum(run["tokens"][part])
+        assert abs(logged[it] - own) <= 1e-6 * own, (it, logged[it], own, logged)
 
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_resume_matches_uninterrupted(corpus, tmp_path, tp1_full, tp):
+    """Every micro-batch loss of the resumed iterations equals the uninterrupted run's (1e-6), and each run logs
+    every iteration's own loss (the second iteration after a start or a resume included)."""
     layout = ["--tensor-model-parallel-size", str(tp)]
-    full = tp1_full if tp == 1 else _train(tp, _argv(corpus, str(tmp_path / "full"), *layout))["losses"]
-    first = _train(tp, _argv(corpus, str(tmp_path / "ckpt"), *layout, "--exit-interval", "10"))["losses"]
-    resumed = _train(tp, _argv(corpus, str(tmp_path / "ckpt"), *layout, "--load", str(tmp_path / "ckpt")))["losses"]
+    full_run = tp1_full if tp == 1 else _train(tp, _argv(corpus, str(tmp_path / "full"), *layout))
+    first_run = _train(tp, _argv(corpus, str(tmp_path / "ckpt"), *layout, "--exit-interval", "10"))
+    resumed_run = _train(tp, _argv(corpus, str(tmp_path / "ckpt"), *layout, "--load", str(tmp_path / "ckpt")))
+    full, first, resumed = full_run["losses"], first_run["losses"], resumed_run["losses"]
     assert len(full) == 30 and len(first) == 20 and len(resumed) == 10  # 2 micro-batches per iteration
+    for run, first_iteration in ((full_run, 1), (first_run, 1), (resumed_run, 11)):
+        _logged_losses_are_each_iterations_own(run, first_iteration)
     assert max(abs(a - b) for a, b in zip(first + resumed, full)) <= 1e-6
     # it learns: from ~log(1000) = 6.9 at the start, the last iterations are clearly lower (~6.4)
     assert sum(full[-4:]) / 4 < sum(full[:4]) / 4 - 0.3, full

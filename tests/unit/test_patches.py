@@ -1,5 +1,5 @@
-"""The runtime patch registry and its CPU patches (`cpu_cuda_calls`, `cpu_parallel_state`, `cpu_training`,
-`paged_attention_in_torch`)."""
+"""The runtime patch registry, its CPU patches (`cpu_cuda_calls`, `cpu_parallel_state`, `cpu_training`,
+`paged_attention_in_torch`) and `first_log_interval_reset`."""
 
 import contextlib
 import inspect
@@ -156,6 +156,44 @@ def test_cpu_training_apply_twice_and_undo():
             mc_random._get_cuda_rng_state, torch.cuda.Stream) == originals
     assert {n: patches.is_active(n) for n in before_deps} == before_deps
     assert torch.ones(2).type() == "torch.FloatTensor"
+
+
+def test_first_log_interval_reset_resets_a_first_iteration_that_ends_an_interval(monkeypatch):
+    """`first_log_interval_reset` passes `is_first_iteration=False` to megatron-core's `training_log` where a
+    process's first iteration ends a log interval, leaves a first iteration inside an interval and every later
+    one as they are, wraps once, and its undo restores the original (the loss it fixes: tests/e2e/test_pretrain.py
+    `test_resume_matches_uninterrupted`)."""
+    import types
+
+    import megatron.training
+    from megatron.training import training
+
+    if patches.is_active("first_log_interval_reset"):
+        pytest.skip("applied for good in this process")
+    seen = []
+
+    def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, report_memory_flag,
+                     skipped_iter, grad_norm, params_norm, num_zeros_in_grad, max_attention_logit,
+                     pg_collection=None, is_first_iteration=False, seqlen_squared_sum_in_batch=None):
+        seen.append((iteration, is_first_iteration))
+        return report_memory_flag
+
+    real = inspect.signature(training.training_log).parameters
+    assert list(inspect.signature(training_log).parameters)[:13] == list(real)[:13]  # the stand-in's is Megatron's
+    monkeypatch.setattr(training, "training_log", training_log)
+    interval = types.SimpleNamespace(log_interval=1)
+    monkeypatch.setattr(megatron.training, "get_args", lambda: interval)
+    with patches.applied("first_log_interval_reset") as active:
+        assert active and patches.apply("first_log_interval_reset")
+        assert training.training_log.__wrapped__ is training_log
+        flag = training.training_log({}, {}, 1e-3, 11, 1.0, "flag", 0, None, None, None, None,
+                                     is_first_iteration=True)
+        training.training_log({}, {}, 1e-3, 12, 1.0, True, 0, None, None, None, None, None, False)
+        interval.log_interval = 10
+        training.training_log({}, {}, 1e-3, 55, 1.0, True, 0, None, None, None, None, is_first_iteration=True)
+        training.training_log({}, {}, 1e-3, 60, 1.0, True, 0, None, None, None, None, None, True)
+    assert flag == "flag" and seen == [(11, False), (12, False), (55, True), (60, False)]
+    assert training.training_log is training_log
 
 
 def _dense_attention(q, k, v, scale, window, sink, slopes=None):
