@@ -129,18 +129,36 @@ def _natural(name: str) -> list:
     return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
 
 
-def _target_modules(modules: list[str], plan) -> list[str] | str:
-    """PEFT's `target_modules`: the modules' last names when they select exactly these modules of the HF
-    model, else a regex that fully matches exactly their paths (any layer number)."""
-    all_modules = {h[: -len(".weight")] for h in plan.hf_names() if h.endswith(".weight")}
+def _peft_selects(targets: list[str], modules) -> set[str]:
+    """The modules that a list `target_modules` selects in PEFT: a path equal to a target or ending in `.target`."""
+    return {m for m in modules if any(m == t or m.endswith(f".{t}") for t in targets)}
+
+
+def _target_modules(modules: list[str], plan) -> list[str]:
+    """PEFT's `target_modules`, always a list (PEFT's suffix match), the first of these that selects exactly these
+    modules of the HF model: their last names (`q_proj`); their paths inside a layer (`self_attn.q_proj`,
+    `mlp.shared_expert.down_proj`: an MoE model, where last names would also select the routed experts); their
+    full paths (an adapter on some layers only).
+
+    Never a regex, nor a last name beside routed experts: loading an adapter on transformers 5, peft 0.22
+    (`peft/utils/transformers_weight_conversion.py`, `_convert_peft_config_moe`, for Qwen2-MoE and the models
+    transformers converts like it: DeepSeek-V3, Qwen3-MoE, ...) turns a regex into the last names it matches, and
+    a target whose suffix, renamed (`gate_proj` / `up_proj` -> `gate_up_proj`), is also a fused expert parameter's
+    (`down_proj`: `mlp.experts.down_proj`) into a `target_parameters` entry too: LoRA on the routed experts that
+    the adapter does not have. A path inside a layer keeps its parent (`mlp.`, `shared_expert.`), which the
+    experts' fused parameters do not end in. (peft 0.21 converts every target ending in gate_proj / up_proj /
+    down_proj of DeepSeek-V3, Qwen3-MoE, ... into the experts' parameters, whatever the list says.)"""
+    # the modules, and parameters that are no module's weight (experts stored fused: `mlp.experts.down_proj`)
+    all_modules = {h[: -len(".weight")] if h.endswith(".weight") else h for h in plan.hf_names()
+                   if not h.endswith(".bias")}
+    wanted = set(modules)
     leaves = sorted({m.rsplit(".", 1)[-1] for m in modules})
-    if {m for m in all_modules if m.rsplit(".", 1)[-1] in leaves} == set(modules):
+    if _peft_selects(leaves, all_modules) == wanted:
         return leaves
-    patterns = sorted({re.sub(r"\\\.\d+\\\.", r"\\.\\d+\\.", re.escape(m)) for m in modules})
-    regex = "|".join(f"(?:{p})" for p in patterns)
-    if {m for m in all_modules if re.fullmatch(regex, m)} != set(modules):  # some layers only: name them all
-        regex = "|".join(f"(?:{re.escape(m)})" for m in modules)
-    return regex
+    in_layer = sorted({re.sub(r"^.*?\.\d+\.", "", m) for m in modules})
+    if _peft_selects(in_layer, all_modules) == wanted:
+        return in_layer
+    return sorted(modules, key=_natural)
 
 
 def write_peft(out: str, adapter: Adapter, plan, base_model: str | None = None, overwrite: bool = False) -> dict:
