@@ -378,14 +378,15 @@ def test_fp8_checkpoints_resume_across_the_head_default(tmp_path):
 def test_distributed_optimizer_resumes_and_the_precision_aware_one(tmp_path):
     """A bf16 run under the distributed optimizer, saved at iteration 2 and resumed to 4, goes on as the
     uninterrupted run: the first loss after the resume (the saved weights' forward) within 5e-3, the next (after
-    one step of the restored Adam state, lr 3e-3) within 0.02, every loss finite. `--use-precision-aware-optimizer`
-    (Transformer Engine's FusedAdam keeping the fp32 master weights as the bf16 parameter plus a 16-bit remainder:
-    5.2 GB less resident memory at LLaMA-3-8B widths on one H100 at the same speed, docs/benchmarks.md 2026-12-07)
-    trains as the plain one (first loss within 1e-4, the rest within 0.02); its resumes, its own and across from
-    and to the plain optimizer's checkpoints, are measured and reported as an expected failure while they miss
-    those bounds: on 2026-12-07 (one H100, megatron-core 0.19.2, TE 2.20.2) a precision-aware run resumed from its
-    own checkpoint took the step after the resume to a loss 0.068 from the uninterrupted run's, which is why the
-    default profile does not take it."""
+    one step of the restored Adam state, lr 3e-3) within 0.02, every loss finite; the same for
+    `--use-precision-aware-optimizer` (Transformer Engine's FusedAdam keeping the fp32 master weights as the bf16
+    parameter plus a 16-bit remainder: 5.2 GB less resident memory at LLaMA-3-8B widths on one H100 at the same
+    speed, docs/benchmarks.md 2026-12-07), which trains as the plain one (first loss within 1e-4, the rest within
+    0.02), resumed from its own checkpoint. Resumes across the two (their checkpoints hold the master weights as
+    fp32 or as int16 remainders) are measured and reported as an expected failure while they miss those bounds.
+    On 2026-12-07 (one H100, megatron-core 0.19.2, TE 2.20.2) both own resumes logged iteration 4 0.068 above the
+    uninterrupted run: the mean of iterations 3 and 4, which megatron-core's `training_log` reported there (the
+    patch `first_log_interval_reset` since), not a different step."""
     from tests.models import llama_config
 
     config = tmp_path / "config.json"
@@ -412,10 +413,10 @@ def test_distributed_optimizer_resumes_and_the_precision_aware_one(tmp_path):
         return (isinstance(series, dict) and sorted(series) == [3, 4] and abs(series[3] - source[3]) <= 5e-3
                 and abs(series[4] - source[4]) <= 0.02)
 
-    assert holds("plain-to-plain"), (resumed, saved)
-    missed = {name: resumed[name] for name in ("aware-to-aware", "plain-to-aware", "aware-to-plain") if not holds(name)}
+    assert holds("plain-to-plain") and holds("aware-to-aware"), (resumed, saved)
+    missed = {name: resumed[name] for name in ("plain-to-aware", "aware-to-plain") if not holds(name)}
     if missed:
-        pytest.xfail(f"the precision-aware optimizer's resumes miss the bounds (not in the default profile): {missed}; "
+        pytest.xfail(f"resumes across the plain and the precision-aware optimizer miss the bounds: {missed}; "
                      f"uninterrupted: {saved}")
 
 
