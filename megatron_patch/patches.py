@@ -1074,7 +1074,7 @@ def _first_log_interval_reset() -> Callable[[], None] | None:
     except ImportError:
         return None
     original = getattr(training, "training_log", None)
-    if original is None or getattr(original, "_megatron_patch", False):
+    if original is None:
         return None
     signature = inspect.signature(original)
     if not {"is_first_iteration", "iteration"} <= set(signature.parameters):
@@ -1090,7 +1090,6 @@ def _first_log_interval_reset() -> Callable[[], None] | None:
                 bound.arguments["is_first_iteration"] = False
         return original(*bound.args, **bound.kwargs)
 
-    training_log._megatron_patch = True
     return _swap([(training, "training_log", training_log)])
 
 
