@@ -22,6 +22,7 @@ from megatron_patch.models import Layout, get_family, load_hf_config
 from megatron_patch.models.build import MODEL_CLASSES
 from megatron_patch.models.megatron_args import megatron_lm_args
 from megatron_patch.names import HF_SUBDIR, TRACKER
+from megatron_patch.training.checkpoint import match_resumed_optimizer
 from megatron_patch.training.checks import check_data_paths, check_exports, check_numbers, check_splits
 from megatron_patch.training.device import PRECISIONS, apply_precision, select_device
 from megatron_patch.training.profiles import THROUGHPUT_PROFILES, apply_throughput_profile, fp8_head_impl
@@ -70,6 +71,9 @@ def add_patch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "cuBLAS call), as Transformer Engine's layers do, instead of a bf16 gradient and an add "
                         "(megatron-core needs Apex's extension for that). On in the default and benchmark "
                         "throughput profiles; --no-wgrad-fusion-without-apex leaves it out")
+    g.add_argument("--no-use-precision-aware-optimizer", dest="use_precision_aware_optimizer", action="store_false",
+                   default=False, help="leave out Megatron's --use-precision-aware-optimizer (its default). Without "
+                                       "either flag a resumed run takes the setting its checkpoint was saved with")
     g.add_argument("--fp8-output-layer", action=argparse.BooleanOptionalAction, default=False,
                    help="with --precision fp8, the output layer's GEMMs (logits, their input gradient and the "
                         "weight gradient) in FP8 too (otherwise they stay bf16); needs --model-class gpt. On in "
@@ -181,6 +185,7 @@ def parse_args(argv: list[str] | None = None, extra_args_provider=None, indexed_
     # megatron prints the resulting arguments at start
     model_kwargs = get_family(hf_config).config_kwargs(hf_config)
     apply_throughput_profile(args, given, model_kwargs, lm_head)
+    match_resumed_optimizer(args, given)
     apply_lean_cross_entropy(args, given)
     check_fp8_output_layer(args, lm_head)
     check_fused_qkv_rope(args, model_kwargs)

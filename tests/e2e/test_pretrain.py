@@ -84,7 +84,8 @@ def _train(world: int, argv: list[str]) -> dict:
 
 @pytest.fixture(scope="module")
 def tp1_full(corpus, tmp_path_factory):
-    return _train(1, _argv(corpus, str(tmp_path_factory.mktemp("tp1") / "ckpt")))
+    save = str(tmp_path_factory.mktemp("tp1") / "ckpt")
+    return {**_train(1, _argv(corpus, save)), "save": save}
 
 
 def _logged_losses_are_each_iterations_own(run: dict, first_iteration: int) -> None:
@@ -242,9 +243,16 @@ def _parse_errors(rank: int, argvs: list[list[str]]) -> list[str]:
     return messages
 
 
-def test_bad_input_is_refused_before_training(corpus, tmp_path):
-    """Each a clear error from argument checking, before a model or a GPU is touched."""
+def test_bad_input_is_refused_before_training(corpus, tmp_path, tp1_full):
+    """Each a clear error from argument checking, before a model or a GPU is touched (a resume whose optimizer
+    state the command line's optimizer cannot load: read from the saved arguments of a real training checkpoint,
+    tp1_full's)."""
     cases = {  # the vocab check runs after megatron set its global state: keep it last
+        "another optimizer state": (_argv(corpus, str(tmp_path / "c"), "--load", tp1_full["save"],
+                                          "--use-precision-aware-optimizer"),
+                                    "iter_0000015 was saved without --use-precision-aware-optimizer (its optimizer "
+                                    "state holds fp32 master weights), which --use-precision-aware-optimizer cannot "
+                                    "load; resume with --no-use-precision-aware-optimizer, or pass --no-load-optim"),
         "no --data-path": ([a for a in _argv(corpus, str(tmp_path / "c")) if a not in ("--data-path", corpus)],
                            "no training data"),
         "missing prefix": (_argv(str(tmp_path / "nope"), str(tmp_path / "c")), "nope.bin"),

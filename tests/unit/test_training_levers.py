@@ -97,3 +97,143 @@ def test_a_reward_model_refuses_the_fp8_output_layer():
                      fp8_output_layer_impl="auto")
     with pytest.raises(ValueError, match="one-label head"):
         check_fp8_output_layer(args, lm_head=False)
+
+
+def test_no_use_precision_aware_optimizer_is_a_flag_of_the_command_line():
+    """`--no-use-precision-aware-optimizer` parses (Megatron's parser offers only the `--use-` form) and leaves it off
+    (a resumed run follows its checkpoint where neither flag is given: `match_resumed_optimizer`); without it the
+    attribute is Megatron's default, off."""
+    import argparse
+
+    from megatron_patch.training.arguments import add_patch_args
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--use-precision-aware-optimizer", action="store_true")  # Megatron's, added first
+    parser = add_patch_args(parser)
+    assert parser.parse_args([]).use_precision_aware_optimizer is False
+    assert parser.parse_args(["--use-precision-aware-optimizer"]).use_precision_aware_optimizer is True
+    assert parser.parse_args(["--use-precision-aware-optimizer", "--no-use-precision-aware-optimizer"]
+                             ).use_precision_aware_optimizer is False
+
+
+@pytest.fixture(scope="module")
+def training_checkpoint(tmp_path_factory):
+    """A torch_dist checkpoint folder as training leaves it: `iter_0000002/` and the tracker's "2" (a converted
+    tiny model, its saved arguments those of the converter: no distributed optimizer)."""
+    import os
+
+    from megatron_patch.conversion.convert import hf_to_mcore
+    from megatron_patch.names import TRACKER
+    from tests.helpers import tiny_lm_folder
+
+    root = tmp_path_factory.mktemp("resume")
+    ckpt = str(root / "ckpt")
+    hf_to_mcore(tiny_lm_folder(str(root / "hf")), ckpt)
+    os.rename(os.path.join(ckpt, "release"), os.path.join(ckpt, "iter_0000002"))
+    with open(os.path.join(ckpt, TRACKER), "w") as f:
+        f.write("2")
+    return ckpt
+
+
+def _resume_args(load: str | None, **over) -> Namespace:
+    return Namespace(**{"load": load, "no_load_optim": None, "finetune": False, "ckpt_step": None,
+                        "use_precision_aware_optimizer": True, "use_distributed_optimizer": True, "bf16": True,
+                        **over})
+
+
+def test_a_resumed_run_keeps_the_plain_optimizer_of_its_checkpoint(training_checkpoint, capsys):
+    """Where no flag of the command line chose the precision-aware optimizer (a throughput profile's setting) and the
+    checkpoint's optimizer state holds fp32 master weights (saved without it: here read from the checkpoint's own
+    saved arguments), the run resumes without it and says so; megatron-core would read the fp32 values as 16-bit
+    remainders without a word."""
+    from megatron_patch.training.checkpoint import match_resumed_optimizer
+
+    args = _resume_args(training_checkpoint)
+    match_resumed_optimizer(args, set())
+    assert args.use_precision_aware_optimizer is False
+    assert "iter_0000002 was saved without --use-precision-aware-optimizer" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("over", [{"no_load_optim": True}, {"finetune": True}, {"load": None}])
+def test_no_optimizer_state_loaded_leaves_the_setting(training_checkpoint, over):
+    """--no-load-optim, --finetune, or nothing to resume: the optimizer starts afresh, in the run's own setting."""
+    from megatron_patch.training.checkpoint import match_resumed_optimizer
+
+    args = _resume_args(**{"load": training_checkpoint, **over})
+    match_resumed_optimizer(args, {"--use-precision-aware-optimizer"})
+    assert args.use_precision_aware_optimizer is True
+
+
+def test_a_converted_checkpoint_has_no_optimizer_state(training_checkpoint, tmp_path):
+    """A `release` folder (the converter's) and a --ckpt-step without a folder: nothing to match."""
+    import shutil
+
+    from megatron_patch.names import TRACKER
+    from megatron_patch.training.checkpoint import match_resumed_optimizer, resumed_optimizer_args
+
+    release = str(tmp_path / "release-ckpt")
+    shutil.copytree(training_checkpoint, release)
+    (tmp_path / "release-ckpt" / TRACKER).write_text("release")
+    assert resumed_optimizer_args(_resume_args(release)) is None
+    assert resumed_optimizer_args(_resume_args(training_checkpoint, ckpt_step=5)) is None
+    assert resumed_optimizer_args(_resume_args(training_checkpoint, ckpt_step=2))[0].endswith("iter_0000002")
+    args = _resume_args(release)
+    match_resumed_optimizer(args, {"--use-precision-aware-optimizer"})
+    assert args.use_precision_aware_optimizer is True
+
+
+def _saved_with(monkeypatch, **saved):
+    from megatron_patch import compat
+
+    monkeypatch.setattr(compat, "load_torch_dist_common", lambda step_dir: {"args": Namespace(**saved)})
+
+
+@pytest.mark.parametrize("given, over, message", [
+    ({"--use-precision-aware-optimizer"}, {}, "saved without --use-precision-aware-optimizer (its optimizer state "
+     "holds fp32 master weights), which --use-precision-aware-optimizer cannot load; resume with "
+     "--no-use-precision-aware-optimizer, or pass --no-load-optim"),
+])
+def test_the_command_lines_other_choice_is_refused(training_checkpoint, given, over, message):
+    """The user's own flag against the checkpoint's layout: one line naming the checkpoint and the ways out."""
+    from megatron_patch.training.checkpoint import match_resumed_optimizer
+
+    with pytest.raises(ValueError, match="iter_0000002 was ") as e:
+        match_resumed_optimizer(_resume_args(training_checkpoint, **over), given)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("given, over, expected", [
+    (set(), {"use_precision_aware_optimizer": False}, True),       # profile none, or a run it does not suit: follow
+    ({"--no-use-precision-aware-optimizer"}, {"use_precision_aware_optimizer": False},
+     "which --no-use-precision-aware-optimizer cannot load; resume with --use-precision-aware-optimizer"),
+    (set(), {"use_precision_aware_optimizer": False, "use_distributed_optimizer": False},
+     "which this run (it needs the distributed optimizer and bf16) cannot load"),
+    (set(), {"use_precision_aware_optimizer": False, "bf16": False}, "it needs the distributed optimizer and bf16"),
+    (set(), {}, True),                                             # the same layout: nothing to do
+])
+def test_a_precision_aware_checkpoint_resumes_precision_aware(training_checkpoint, monkeypatch, given, over,
+                                                               expected):
+    """A checkpoint saved with --use-precision-aware-optimizer (the master weights as 16-bit remainders): a run
+    whose flag came from no command line takes it again; the command line's --no-use-precision-aware-optimizer,
+    or a run that cannot take it, is refused in one line."""
+    from megatron_patch.training.checkpoint import match_resumed_optimizer
+
+    _saved_with(monkeypatch, use_precision_aware_optimizer=True, use_distributed_optimizer=True)
+    args = _resume_args(training_checkpoint, **over)
+    if expected is True:
+        match_resumed_optimizer(args, given)
+        assert args.use_precision_aware_optimizer is True
+    else:
+        with pytest.raises(ValueError, match="saved with --use-precision-aware-optimizer") as e:
+            match_resumed_optimizer(args, given)
+        assert expected in str(e.value), e.value
+
+
+def test_a_checkpoint_saved_without_optimizer_state_leaves_the_setting(training_checkpoint, monkeypatch):
+    """--no-save-optim: megatron.training loads no optimizer state from it."""
+    from megatron_patch.training.checkpoint import match_resumed_optimizer
+
+    _saved_with(monkeypatch, use_precision_aware_optimizer=False, use_distributed_optimizer=True, no_save_optim=True)
+    args = _resume_args(training_checkpoint)
+    match_resumed_optimizer(args, {"--use-precision-aware-optimizer"})
+    assert args.use_precision_aware_optimizer is True
