@@ -159,7 +159,8 @@ LOSS_REFERENCE: dict[str, str | None] = {
     "bf16 +hybrid": "bf16", "bf16 +lora": None, "fp8 +lora": None,
     **{f"{p} {lever}": p for p in ("bf16", "fp8")
        for lever in ("-wgrad-fusion", "+fused-mlp", "+qkv-rope", "+te-swiglu", "+levers")},
-    "fp8 -fp8-head": "fp8", "fp8 +fp8-head": "fp8", "fp8 +fp8-head-torch": "fp8"}
+    "fp8 -fp8-head": "fp8", "fp8 +fp8-head": "fp8", "fp8 +fp8-head-torch": "fp8", "bf16 +precision-aware-opt": "bf16",
+    "fp8 +precision-aware-opt": "fp8"}
 
 
 def loss_reference(run: str) -> str | None:
