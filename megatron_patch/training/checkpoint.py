@@ -61,21 +61,19 @@ def resumed_optimizer_args(args) -> tuple[str, argparse.Namespace] | None:
     this run loads: `--load` with its tracker's iteration, or `--ckpt-step`; None where no optimizer state is loaded
     (no checkpoint, a converted `release`, --no-load-optim, --finetune, a run saved with --no-save-optim) or the
     checkpoint is no torch_dist one (megatron.training reports a checkpoint it cannot read itself)."""
+    from megatron_patch.conversion.mcore_io import checkpoint_step_dir
+
     if not args.load or getattr(args, "no_load_optim", None) or getattr(args, "finetune", False):
         return None
     step = getattr(args, "ckpt_step", None)
-    tracker = os.path.join(args.load, TRACKER)
-    if not step and os.path.isfile(tracker):
-        with open(tracker) as f:
-            step = f.read().strip()
-    if not step or step == RELEASE or not str(step).isdigit():
-        return None
-    step_dir = os.path.join(args.load, step_folder(step))
-    if not os.path.isfile(os.path.join(step_dir, TORCH_DIST_METADATA)):
-        return None
+    if not step and not os.path.isfile(os.path.join(args.load, TRACKER)):
+        return None  # nothing saved there yet: a fresh start
     try:
+        step_dir = os.path.join(args.load, step_folder(step)) if step else checkpoint_step_dir(args.load)
+        if os.path.basename(step_dir) == RELEASE or not os.path.isfile(os.path.join(step_dir, TORCH_DIST_METADATA)):
+            return None
         saved = compat.load_torch_dist_common(step_dir).get("args")
-    except Exception:  # noqa: BLE001 - an unreadable checkpoint is megatron.training's to report, with its reason
+    except Exception:  # noqa: BLE001 - a tracker, folder or checkpoint megatron.training reports itself, with its reason
         return None
     if saved is None or getattr(saved, "no_save_optim", False):
         return None
