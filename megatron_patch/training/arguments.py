@@ -53,7 +53,8 @@ def add_patch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="default: Megatron settings that make a step cheaper without changing the numbers beyond "
                         "bf16 rounding (manual GC every 100 iterations, fused cross-entropy (--lean-cross-entropy), "
                         "weight gradients accumulated in fp32 inside the GEMM (--wgrad-fusion-without-apex), "
-                        "no attention mask "
+                        "the fp32 master weights as bf16 parameter + 16-bit remainder "
+                        "(--use-precision-aware-optimizer, with the distributed optimizer in bf16), no attention mask "
                         "from the data loader where Transformer Engine's causal kernels ignore it); benchmark: "
                         "also skip the per-step safety checks (NaN/Inf in loss and gradients, rerun validation); "
                         "none: Megatron's own defaults. A flag given on the command line always wins")
@@ -72,8 +73,10 @@ def add_patch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "(megatron-core needs Apex's extension for that). On in the default and benchmark "
                         "throughput profiles; --no-wgrad-fusion-without-apex leaves it out")
     g.add_argument("--no-use-precision-aware-optimizer", dest="use_precision_aware_optimizer", action="store_false",
-                   default=False, help="leave out Megatron's --use-precision-aware-optimizer (its default). Without "
-                                       "either flag a resumed run takes the setting its checkpoint was saved with")
+                   default=False, help="leave out Megatron's --use-precision-aware-optimizer, which the default and "
+                                       "benchmark throughput profiles take with the distributed optimizer in bf16. "
+                                       "Without either flag a resumed run takes the setting its checkpoint was saved "
+                                       "with")
     g.add_argument("--fp8-output-layer", action=argparse.BooleanOptionalAction, default=False,
                    help="with --precision fp8, the output layer's GEMMs (logits, their input gradient and the "
                         "weight gradient) in FP8 too (otherwise they stay bf16); needs --model-class gpt. On in "

@@ -37,6 +37,13 @@ _WGRAD = ("wgrad_fusion_without_apex", True, "--wgrad-fusion-without-apex")
 # (megatron-core's own layer with `training.fp8_head`: slower, and not in the study), other recipes, or a reward
 # model's one-label head.
 _FP8_HEAD = ("fp8_output_layer", True, "--fp8-output-layer")
+# Transformer Engine's FusedAdam holding the fp32 master weights as the bf16 parameter and a 16-bit remainder
+# (`--use-precision-aware-optimizer`: megatron-core's store_param_remainders): the fp32 master weight to the bit,
+# 2 bytes a parameter instead of 4. On one H100 at LLaMA-3-8B widths the same tokens/s (576.9 TFLOP/s both) and
+# 5.2 GB less resident memory (docs/benchmarks.md, 2026-12-07). A resumed run keeps the layout its checkpoint
+# was saved with (`training.checkpoint.match_resumed_optimizer`; tests/gpu/test_paths.py). Where it was measured: bf16 training of every weight (no FP8, no LoRA) with Adam and
+# the distributed optimizer, whose shards it keeps (`precision_aware_optimizer_suits`).
+_PRECISION_AWARE = ("use_precision_aware_optimizer", True, "--use-precision-aware-optimizer")
 # ... and trade a per-step safety check for speed
 _UNCHECKED = (("check_for_nan_in_loss_and_grad", False, "--no-check-for-nan-in-loss-and-grad"),
               ("rerun_mode", "disabled", "--rerun-mode"))
@@ -104,6 +111,19 @@ def fp8_head_suits(args: argparse.Namespace, lm_head: bool = True) -> bool:
             and bool(args.untie_embeddings_and_output_weights) and patches.covers("fp8_output_layer"))
 
 
+def precision_aware_optimizer_suits(args: argparse.Namespace) -> bool:
+    """Whether the profile's precision-aware optimizer (`_PRECISION_AWARE`) fits this run: the distributed optimizer
+    with Adam, bf16 parameters and fp32 master weights, no FP8, no LoRA adapters, no CPU offload of the optimizer,
+    and Transformer Engine installed (its FusedAdam is the one that keeps the remainders)."""
+    from megatron_patch.models.build import transformer_engine_available
+
+    return (bool(getattr(args, "use_distributed_optimizer", False)) and getattr(args, "optimizer", "adam") == "adam"
+            and bool(getattr(args, "bf16", False)) and not getattr(args, "fp8", None)
+            and getattr(args, "lora_rank", None) is None and not getattr(args, "lora_import", None)
+            and not getattr(args, "optimizer_cpu_offload", False) and not getattr(args, "cpu", False)
+            and transformer_engine_available())
+
+
 def apply_throughput_profile(args: argparse.Namespace, given: set[str], model: Mapping[str, Any] | None = None,
                              lm_head: bool = True) -> dict:
     """`--throughput-profile`: the settings of the profile that the command line did not set itself.
@@ -111,7 +131,8 @@ def apply_throughput_profile(args: argparse.Namespace, given: set[str], model: M
     reads it: Transformer Engine's causal kernels ignore it, unless documents are masked apart
     (--reset-attention-mask). Attention runs on FlashAttention-4 where `flash_attention_suits` the run
     (`model`: the family's TransformerConfig arguments) and `te_runs_fa4_on_hopper`; the output layer in FP8
-    where `fp8_head_suits` it (`lm_head`: the model's output layer is the vocabulary's)."""
+    where `fp8_head_suits` it (`lm_head`: the model's output layer is the vocabulary's); the precision-aware
+    optimizer where `precision_aware_optimizer_suits` the run."""
     if args.throughput_profile == "none":
         return {}
     settings = list(_NEUTRAL)
@@ -127,6 +148,8 @@ def apply_throughput_profile(args: argparse.Namespace, given: set[str], model: M
     settings.append(_WGRAD)
     if fp8_head_suits(args, lm_head):
         settings.append(_FP8_HEAD)
+    if precision_aware_optimizer_suits(args):
+        settings.append(_PRECISION_AWARE)
     if args.throughput_profile == "benchmark":
         settings += _UNCHECKED
     if "--manual-gc" in given:  # the user's own GC setting, interval included

@@ -99,6 +99,40 @@ def test_a_reward_model_refuses_the_fp8_output_layer():
         check_fp8_output_layer(args, lm_head=False)
 
 
+_AWARE_ARGS = {"throughput_profile": "default", "transformer_impl": "transformer_engine", "reset_attention_mask": False,
+               "lean_cross_entropy": False, "wgrad_fusion_without_apex": False, "fp8": None, "bf16": True,
+               "use_distributed_optimizer": True, "optimizer": "adam", "lora_rank": None, "lora_import": None,
+               "optimizer_cpu_offload": False, "cpu": False, "use_precision_aware_optimizer": False,
+               "fp8_recipe": "delayed", "model_class": "gpt", "untie_embeddings_and_output_weights": True,
+               "fp8_output_layer": False, "fp8_output_layer_impl": "auto"}
+
+
+@pytest.mark.parametrize("over, given, te, expected", [
+    ({}, set(), True, True),                                      # where it was measured: bf16, distributed Adam
+    ({"throughput_profile": "benchmark"}, set(), True, True),
+    ({"throughput_profile": "none"}, set(), True, False),         # Megatron's defaults
+    ({}, {"--no-use-precision-aware-optimizer"}, True, False),    # the user's choice wins
+    ({}, set(), False, False),                                    # no Transformer Engine: no FusedAdam to keep them
+    ({"use_distributed_optimizer": False}, set(), True, False),   # megatron-core asserts it
+    ({"optimizer": "sgd"}, set(), True, False),
+    ({"bf16": False}, set(), True, False),                        # fp32 / fp16 parameters: no remainders
+    ({"fp8": "hybrid"}, set(), True, False),                      # not measured in FP8
+    ({"lora_rank": 8}, set(), True, False),                       # adapters only: not measured
+    ({"optimizer_cpu_offload": True}, set(), True, False),
+])
+def test_default_profile_keeps_master_weights_as_remainders_where_measured(monkeypatch, over, given, te, expected):
+    """The default and benchmark profiles take `--use-precision-aware-optimizer` (5.2 GB less at LLaMA-3-8B widths,
+    the same speed) with the distributed optimizer, Adam and bf16 parameters, where Transformer Engine is installed;
+    nowhere else."""
+    from megatron_patch.models import build
+
+    monkeypatch.setattr(build, "transformer_engine_available", lambda: te)
+    args = Namespace(**{**_AWARE_ARGS, **over})
+    applied = apply_throughput_profile(args, given)
+    assert args.use_precision_aware_optimizer is expected
+    assert ("use_precision_aware_optimizer" in applied) == expected
+
+
 def test_no_use_precision_aware_optimizer_is_a_flag_of_the_command_line():
     """`--no-use-precision-aware-optimizer` parses (Megatron's parser offers only the `--use-` form) and leaves it off
     (a resumed run follows its checkpoint where neither flag is given: `match_resumed_optimizer`); without it the
