@@ -41,8 +41,9 @@ _FP8_HEAD = ("fp8_output_layer", True, "--fp8-output-layer")
 # (`--use-precision-aware-optimizer`: megatron-core's store_param_remainders): the fp32 master weight to the bit,
 # 2 bytes a parameter instead of 4. On one H100 at LLaMA-3-8B widths the same tokens/s (576.9 TFLOP/s both) and
 # 5.2 GB less resident memory (docs/benchmarks.md, 2026-12-07). A resumed run keeps the layout its checkpoint
-# was saved with (`training.checkpoint.match_resumed_optimizer`; tests/gpu/test_paths.py). Where it was measured: bf16 training of every weight (no FP8, no LoRA) with Adam and
-# the distributed optimizer, whose shards it keeps (`precision_aware_optimizer_suits`).
+# was saved with (`training.checkpoint.match_resumed_optimizer`; tests/gpu/test_paths.py). Where it was
+# measured: bf16 training of every weight (no FP8, no LoRA) with Adam and the distributed optimizer, whose shards
+# it keeps (`precision_aware_optimizer_suits`).
 _PRECISION_AWARE = ("use_precision_aware_optimizer", True, "--use-precision-aware-optimizer")
 # ... and trade a per-step safety check for speed
 _UNCHECKED = (("check_for_nan_in_loss_and_grad", False, "--no-check-for-nan-in-loss-and-grad"),
